@@ -1,0 +1,36 @@
+"""Batch: the flat, bucket-padded description of one step that crosses to the device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Batch:
+    input_ids: jax.Array  # int32[T]
+    positions: jax.Array  # int32[T] position of each token in its sequence
+    slot_mapping: jax.Array  # int32[T] cache slot written by each token (page * page_size + off)
+    req_indices: jax.Array  # int32[T] page_table row of each token
+    page_table: jax.Array  # int32[B, pages_per_req]
+    logits_indices: jax.Array  # int32[R] tokens whose logits are computed (one per request)
+
+
+def sequences_batch(tokens: list[list[int]], page_table: np.ndarray, page_size: int,
+                    start: list[int] | None = None) -> Batch:
+    """An unpadded numpy Batch of whole sequences (or continuations of them from `start`),
+    with logits for every token. For tests and tools; the engine builds its own batches."""
+    start = start or [0] * len(tokens)
+    ids, pos, slots, reqs = [], [], [], []
+    for i, (toks, s0) in enumerate(zip(tokens, start)):
+        for j, t in enumerate(toks):
+            p = s0 + j
+            ids += [t]
+            pos += [p]
+            slots += [int(page_table[i, p // page_size]) * page_size + p % page_size]
+            reqs += [i]
+    as32 = lambda x: np.asarray(x, np.int32)
+    return Batch(as32(ids), as32(pos), as32(slots), as32(reqs), as32(page_table),
+                 as32(np.arange(len(ids))))

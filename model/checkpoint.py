@@ -1,0 +1,102 @@
+"""Our checkpoint folder: an orbax parameter tree plus config, tokenizer and metadata.
+
+Layout: config.json (HF's), tokenizer and generation files, `xlaserve.json` (metadata, written
+last, so a folder without it is not a checkpoint) and `params/` (orbax).
+A model folder is either such a checkpoint or a Hugging Face folder read directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from model.config import ModelConfig
+from model.hf_weights import abstract_params, load_hf_params, np_dtype
+
+METADATA = "xlaserve.json"
+FORMAT_VERSION = 1
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+              "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / METADATA).is_file()
+
+
+def read_metadata(path: str | Path) -> dict:
+    return json.loads((Path(path) / METADATA).read_text())
+
+
+def convert_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
+               progress: bool = True) -> dict:
+    """HF folder -> checkpoint folder. Writes into a temporary sibling, renamed at the end,
+    so a failure never leaves a folder that looks valid. Returns the metadata."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"model folder {hf_dir} does not exist")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"output folder {out_dir} already exists and is not empty")
+    cfg = ModelConfig.from_dir(hf_dir, dtype)
+    started = time.perf_counter()
+    params = load_hf_params(hf_dir, cfg, progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save((tmp / "params").resolve(), params)
+            ckptr.wait_until_finished()
+        del params
+        for name in SIDE_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copy2(hf_dir / name, tmp / name)
+        meta = {"format": "xlaserve", "version": FORMAT_VERSION, "source": str(hf_dir.resolve()),
+                "dtype": cfg.dtype, "quantization": "none", "model_config": cfg.to_dict(),
+                "convert_seconds": round(time.perf_counter() - started, 2)}
+        (tmp / METADATA).write_text(json.dumps(meta, indent=2))
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def load_model(path: str | Path, dtype: str | None = None, progress: bool = True):
+    """Model folder (checkpoint or HF) -> (ModelConfig, params on the default device)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist")
+    if not is_checkpoint(path):
+        cfg = ModelConfig.from_dir(path, dtype)
+        params = load_hf_params(path, cfg, progress)
+        return cfg, jax.tree.map(jax.numpy.asarray, params)
+    meta = read_metadata(path)
+    if meta.get("format") != "xlaserve" or meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path / METADATA} is not an xlaserve checkpoint of version "
+                              f"{FORMAT_VERSION}")
+    stored = ModelConfig.from_dict(meta["model_config"])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np_dtype(stored.dtype)),
+                            abstract_params(stored))
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore((path / "params").resolve(), abstract)
+    cfg = stored.with_dtype(dtype) if dtype else stored
+    if cfg.dtype != stored.dtype:
+        params = jax.tree.map(lambda a: a.astype(np_dtype(cfg.dtype)), params)
+    return cfg, params
+
+
+def param_bytes(params) -> int:
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))

@@ -1,0 +1,86 @@
+"""Building blocks shared by every family: linear, RMSNorm, rotary embedding, gated MLP."""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+
+init = nn.initializers.normal(0.02)
+
+
+def matmul(x, w):
+    """x: [..., in] @ w: [in, out] in x's dtype. The one place weights meet activations."""
+    return x @ w.astype(x.dtype)
+
+
+class Linear(nn.Module):
+    features: int
+    use_bias: bool = False
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", init, (x.shape[-1], self.features), self.param_dtype)
+        y = matmul(x, w)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,),
+                               self.param_dtype).astype(y.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        # Normalise in float32, then scale in the activation dtype, as transformers does.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps))
+        return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        lin = lambda n, name: Linear(n, cfg.mlp_bias, cfg.dtype, name=name)
+        gate = lin(cfg.intermediate_size, "gate_proj")(x)
+        up = lin(cfg.intermediate_size, "up_proj")(x)
+        return lin(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """float32[D/2] inverse frequencies, with Llama 3 / linear scaling applied."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    rs = cfg.rope_scaling_dict
+    if rs.get("rope_type") == "linear":
+        inv = inv / rs["factor"]
+    elif rs.get("rope_type") == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x: [T, N, D] rotated by position (the rotate-half layout of transformers)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb)[:, None, :].astype(x.dtype), jnp.sin(emb)[:, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates .venv with a Python >= 3.12 (PATH first, then pyenv's versions) and installs the
+# project. Usage: scripts/setup.sh [EXTRA]   e.g. `scripts/setup.sh test`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-}"
+
+ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+
+find_python() {
+  local c
+  for c in python3.13 python3.12 python3; do
+    if command -v "$c" >/dev/null && ok "$(command -v "$c")"; then command -v "$c"; return; fi
+  done
+  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  for c in $(ls -d "$root"/versions/3.* 2>/dev/null | sort -V -r); do
+    if [ -x "$c/bin/python3" ] && ok "$c/bin/python3"; then echo "$c/bin/python3"; return; fi
+  done
+  echo "no Python >= 3.12 found on PATH or in pyenv; install one" >&2
+  exit 1
+}
+
+if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
+  rm -rf .venv
+  "$(find_python)" -m venv .venv
+fi
+stamp=".venv/.installed-${extra:-base}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  if [ -n "$extra" ]; then .venv/bin/python -m pip install -q -e ".[$extra]"
+  else .venv/bin/python -m pip install -q -e .; fi
+  touch "$stamp"
+fi

@@ -1,0 +1,133 @@
+"""Prometheus metrics with vLLM's names under the `xlaserve:` prefix.
+
+Each `Metrics` owns its own CollectorRegistry, so several servers in one process (tests) do
+not collide in prometheus_client's global registry. Every series carries a `model_name`
+label as vLLM's do, so existing vLLM dashboards work after renaming the prefix.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+PREFIX = "xlaserve:"
+
+# Buckets as vLLM's (seconds): TTFT and ITL are short, whole requests long.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running",
+                                          "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
+                                         "Fraction of KV cache pages in use (0 to 1).")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions_total", "Preempted requests.")
+        self._success = Counter(PREFIX + "request_success_total",
+                                "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time from arrival to the first output token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive outputs of a request.", ITL_BUCKETS)
+        # vLLM's older name for the same samples; dashboards still query it.
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Time between consecutive outputs (older name).", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Time from arrival to the last output.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited before it was first scheduled.",
+                                    REQUEST_BUCKETS)
+        self._preemptions_seen = 0
+
+    # -- called by the server -------------------------------------------------------------
+
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def observe_token(self, itl_s: float | None, num_tokens: int = 1) -> None:
+        """One output update carrying num_tokens new tokens; itl_s is the gap since the
+        previous update (None for the first)."""
+        if num_tokens > 0:
+            self.generation_tokens.inc(num_tokens)
+        if itl_s is not None:
+            self.itl.observe(itl_s)
+            self.tpot.observe(itl_s)
+
+    def observe_request_finished(self, finished_reason: str, e2e_s: float,
+                                 queue_s: float | None = None) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()
+        self.e2e.observe(e2e_s)
+        if queue_s is not None:
+            self.queue_time.observe(queue_s)
+
+    def set_engine_stats(self, running: int, waiting: int, kv_usage: float,
+                         preemptions_total: int) -> None:
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_usage_perc.set(kv_usage)
+        # The engine reports a running total; a Prometheus counter only moves forward.
+        if preemptions_total > self._preemptions_seen:
+            self.num_preemptions.inc(preemptions_total - self._preemptions_seen)
+            self._preemptions_seen = preemptions_total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int, arrival: float | None = None) -> "RequestTracker":
+        return RequestTracker(self, num_prompt_tokens, arrival)
+
+
+class RequestTracker:
+    """Timing of one engine request, fed with each output update."""
+
+    def __init__(self, metrics: Metrics, num_prompt_tokens: int, arrival: float | None = None):
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.last: float | None = None
+        self.done = False
+
+    def on_output(self, num_new_tokens: int) -> None:
+        if num_new_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.observe_first_token(now - self.arrival, self.num_prompt_tokens)
+            self.metrics.observe_token(None, num_new_tokens)
+        else:
+            self.metrics.observe_token(now - self.last, num_new_tokens)
+        self.last = now
+
+    def on_finish(self, finished_reason: str | None, queue_s: float | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.observe_request_finished(finished_reason or "abort",
+                                              time.monotonic() - self.arrival, queue_s)

@@ -1,0 +1,91 @@
+"""Request: one generation's tokens and scheduling state, as the scheduler sees it. No JAX."""
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from dataclasses import dataclass, field
+
+from serving.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()  # not yet admitted, or preempted (then it recomputes its tokens)
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason for a finished status ("stop", "length", "abort"), else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    page_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic(), for metrics
+    first_token_time: float | None = None
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.eos_token_ids = frozenset(self.eos_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def slice_token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without copying the whole sequence (decode asks for 1 token)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def max_tokens(self) -> int:
+        """sampling_params.max_tokens; None means no cap of its own (max_model_len still applies)."""
+        m = self.sampling_params.max_tokens
+        return sys.maxsize if m is None else m
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

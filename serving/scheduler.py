@@ -1,0 +1,259 @@
+"""Continuous-batching scheduler: every request's num_computed_tokens catches up to num_tokens
+under a token budget, over a paged KV cache, with recompute preemption. No JAX."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.page_allocator import PageAllocator
+from serving.request import Request, RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    num_pages: int  # including the sink page 0
+    long_prefill_token_threshold: int = 0  # cap on one prefill chunk; 0: only the budget caps it
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the sink), got {self.num_pages}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # query tokens this step
+    start: int  # position of the first new token (= num_computed_tokens when scheduled)
+    token_ids: list[int]  # all_token_ids[start:start + num_new_tokens]
+    samples: bool  # the chunk ends at the last known token: its sampled token is a real output
+    page_ids: list[int] = field(default_factory=list)  # snapshot of request.page_ids, whole table
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Running requests first (in arrival order), then waiting ones FCFS. A request that needs
+    a page when none is free preempts the newest running request, which later recomputes."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.allocator = PageAllocator(config.num_pages)
+        self.waiting: deque[Request] = deque()
+        # Admission is FCFS and preemption takes the newest, so every running request arrived
+        # before every waiting one and appending on admission keeps `running` in arrival order.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.num_preemptions_total = 0
+        # A request longer than the whole cache could never be scheduled again; stop it there.
+        capacity = self.allocator.num_usable_pages * config.page_size
+        self._max_len = min(config.max_model_len, capacity + 1)
+
+    # -- requests in and out --------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        self._check_fits(req)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.page_ids:
+            raise ValueError(f"request {req.request_id!r} is not a fresh request")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _check_fits(self, req: Request) -> None:
+        cfg, n = self.config, req.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+        if n >= cfg.max_model_len:
+            raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens but "
+                             f"max_model_len is {cfg.max_model_len}; it needs room for at "
+                             f"least one output token")
+        pages = cdiv(n + 1, cfg.page_size)
+        if pages > self.allocator.num_usable_pages:
+            raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens and needs "
+                             f"{pages} KV cache pages of {cfg.page_size} tokens, but the cache "
+                             f"has only {self.allocator.num_usable_pages}")
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       reason: int | str | None = None) -> None:
+        """Stops a request now (stop string, abort) and frees its pages. Unknown or already
+        finished ids are ignored: an abort may race with the request finishing."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status, reason)
+
+    def abort(self, request_id: str) -> None:
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus, reason: int | str | None) -> None:
+        req.status, req.finish_reason, req.stop_reason = status, status.finish_reason, reason
+        self._release_pages(req)
+        del self.requests[req.request_id]
+
+    def _release_pages(self, req: Request) -> None:
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+
+    # -- schedule ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Pages just taken from a preempted request should go to the older running ones, not
+        # straight back to it as a fresh prefill (vLLM v1 does the same).
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            while not self._allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget  # it was the newest, so nothing after it is left to schedule
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = self._num_new_tokens(req, budget)
+            if not self._allocate(req, n):
+                break  # strict FCFS: later requests do not overtake the head of the queue
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Grows req.page_ids to hold num_computed_tokens + num_new_tokens; False if short."""
+        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.config.page_size)
+        missing = needed - len(req.page_ids)
+        if missing > self.allocator.num_free_pages:
+            return False
+        req.page_ids.extend(self.allocator.allocate(max(missing, 0)))
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._release_pages(req)
+        req.num_computed_tokens = 0  # its output tokens stay; prefill recomputes them
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)  # it arrived before everything still waiting
+        out.preempted.append(req)
+
+    @staticmethod
+    def _scheduled(req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(request=req, num_new_tokens=n, start=start,
+                                token_ids=req.slice_token_ids(start, start + n),
+                                samples=start + n == req.num_tokens,
+                                page_ids=list(req.page_ids))
+
+    # -- update -----------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Applies one step's results. sampled[i] belongs to output.scheduled[i] and is ignored
+        for non-final prefill chunks. Returns the requests that got a token, finished or not."""
+        if len(sampled) != len(output.scheduled):
+            raise ValueError(f"{len(sampled)} sampled tokens for "
+                             f"{len(output.scheduled)} scheduled requests")
+        changed = []
+        for sr, token in zip(output.scheduled, sampled):
+            req = sr.request
+            # Aborted (or preempted by a later schedule()) since this output was made.
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
+                continue
+            req.num_computed_tokens += sr.num_new_tokens
+            if not sr.samples:
+                continue
+            if token is None:
+                raise ValueError(f"request {req.request_id!r} samples this step but got None")
+            self._append_token(req, int(token))
+            changed.append(req)
+        return changed
+
+    def _append_token(self, req: Request, token: int) -> None:
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        stop = self._check_stop(req, token)
+        if stop is not None:
+            self.running.remove(req)
+            self._finish(req, *stop)
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus, int | None] | None:
+        params = req.sampling_params
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if token in req.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED, None  # vLLM: stop_reason None means EOS
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self._max_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.allocator.usage
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)

@@ -1,0 +1,40 @@
+"""Tiny random Hugging Face models of each supported family, saved to disk (the parity oracle)."""
+from pathlib import Path
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
+    """Builds, saves and returns a float32 transformers model with odd sizes and GQA."""
+    import torch
+    import transformers as tf
+    common = dict(vocab_size=211, hidden_size=72, intermediate_size=100, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        cls = tf.LlamaForCausalLM
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=7)
+        cls = tf.MistralForCausalLM
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**{**common, "num_key_value_heads": 3}, tie_word_embeddings=True)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=20, tie_word_embeddings=True)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    if getattr(model.config, "attention_bias", False) or family == "qwen2":
+        with torch.no_grad():  # random biases so a dropped bias shows up
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    return model

@@ -1,0 +1,79 @@
+"""Buckets: derived defaults, padding, overrides, and which shapes warm-up must compile."""
+import itertools
+
+import pytest
+
+from serving.buckets import Buckets
+
+
+def test_default_derivation():
+    b = Buckets.derive(max_num_seqs=48, max_num_batched_tokens=1000, max_model_len=2048,
+                       page_size=16)
+    assert b.tokens == (8, 16, 32, 64, 128, 256, 512, 1000)
+    assert b.requests == (1, 2, 4, 8, 16, 32, 48)
+    assert b.pages == (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def test_exact_powers_are_not_repeated_and_small_maxima_shrink_the_minimum():
+    b = Buckets.derive(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100,
+                       page_size=8)
+    assert (b.tokens, b.requests, b.pages) == ((8, 16, 32, 64), (1, 2, 4), (1, 2, 4, 8, 13))
+    tiny = Buckets.derive(max_num_seqs=1, max_num_batched_tokens=5, max_model_len=3,
+                          page_size=4)
+    assert (tiny.tokens, tiny.requests, tiny.pages) == ((5,), (1,), (1,))
+
+
+def test_padding_picks_the_smallest_bucket_and_raises_above_the_last():
+    b = Buckets.derive(max_num_seqs=48, max_num_batched_tokens=1000, max_model_len=2048,
+                       page_size=16)
+    assert [b.pad_tokens(n) for n in (1, 8, 9, 512, 513, 1000)] == [8, 8, 16, 512, 1000, 1000]
+    assert [b.pad_requests(n) for n in (1, 3, 33, 48)] == [1, 4, 48, 48]
+    assert [b.pad_pages(n) for n in (1, 65, 128)] == [1, 128, 128]
+    for pad, over in ((b.pad_tokens, 1001), (b.pad_requests, 49), (b.pad_pages, 129)):
+        with pytest.raises(ValueError, match="outside"):
+            pad(over)
+    with pytest.raises(ValueError):
+        b.pad_tokens(-1)
+
+
+def test_overrides_are_used_and_checked():
+    b = Buckets.derive(8, 256, 512, 16, tokens=[32, 256], requests=(2, 8), pages=[32])
+    assert (b.tokens, b.requests, b.pages) == ((32, 256), (2, 8), (32,))
+    bad = [dict(tokens=[64, 32, 256]), dict(tokens=[32, 32, 256]), dict(tokens=[0, 256]),
+           dict(tokens=[128]), dict(requests=[4]), dict(pages=[16]), dict(tokens=[]),
+           dict(requests=[1.5, 8])]
+    for override in bad:
+        with pytest.raises(ValueError):
+            Buckets.derive(8, 256, 512, 16, **override)
+    with pytest.raises(ValueError):
+        Buckets.derive(0, 256, 512, 16)
+
+
+def _reachable(b, max_seqs, max_tokens, max_pages, page_size):
+    """Brute force: pad every feasible (tokens, requests, widest page table) step."""
+    shapes = set()
+    for t, r in itertools.product(range(1, max_tokens + 1), range(1, max_seqs + 1)):
+        if r > t:
+            continue
+        widest_min = -(-(-(-t // r)) // page_size)  # the request with the most new tokens
+        for w in range(widest_min, max_pages + 1):
+            shapes.add((b.pad_tokens(t), b.pad_requests(r), b.pad_pages(w)))
+    return shapes
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tokens=[3, 10, 40], requests=[6, 12]),
+                                       dict(tokens=[40], requests=[1, 5, 12], pages=[2, 9])])
+def test_all_shapes_is_exactly_the_reachable_set(overrides):
+    b = Buckets.derive(max_num_seqs=12, max_num_batched_tokens=40, max_model_len=70,
+                       page_size=8, **overrides)
+    shapes = list(b.all_shapes())
+    assert len(shapes) == len(set(shapes)) == len(b)
+    assert set(shapes) == _reachable(b, 12, 40, 9, 8)
+
+
+def test_all_shapes_without_page_size_keeps_every_page_bucket():
+    # (8, 16): two requests in 8 tokens pad to the 16-request bucket, so it must be compiled.
+    b = Buckets(tokens=(8, 16), requests=(1, 16, 32), pages=(1, 4))
+    assert list(b.all_shapes()) == [(8, 1, 1), (8, 1, 4), (8, 16, 1), (8, 16, 4),
+                                    (16, 1, 1), (16, 1, 4), (16, 16, 1), (16, 16, 4)]
+    assert len(b) == 8

@@ -1,0 +1,92 @@
+"""PageAllocator: allocation, reference counts, the sink page, and misuse that must raise."""
+import pytest
+
+from serving.page_allocator import SINK_PAGE, OutOfPagesError, PageAllocator
+
+
+def test_counts_and_usage():
+    a = PageAllocator(5)
+    assert (a.num_usable_pages, a.num_free_pages, a.num_used_pages, a.usage) == (4, 4, 0, 0.0)
+    pages = a.allocate(3)
+    assert len(set(pages)) == 3
+    assert (a.num_free_pages, a.num_used_pages, a.usage) == (1, 3, 0.75)
+    a.free(pages)
+    assert (a.num_free_pages, a.num_used_pages, a.usage) == (4, 0, 0.0)
+
+
+def test_sink_is_never_handed_out():
+    a = PageAllocator(9)
+    pages = a.allocate(8)
+    assert sorted(pages) == list(range(1, 9))
+    assert SINK_PAGE not in pages
+    assert a.usage == 1.0
+
+
+def test_exhaustion_raises_and_changes_nothing():
+    a = PageAllocator(4)
+    a.allocate(2)
+    with pytest.raises(OutOfPagesError):
+        a.allocate(2)
+    assert a.num_free_pages == 1
+    assert len(a.allocate(1)) == 1
+    with pytest.raises(OutOfPagesError):
+        a.allocate(1)
+    assert a.allocate(0) == []
+
+
+def test_free_order_is_fifo_and_deterministic():
+    a = PageAllocator(5)
+    p = a.allocate(4)
+    a.free([p[2]])
+    a.free([p[0]])
+    assert a.allocate(2) == [p[2], p[0]]
+
+
+def test_double_free_raises():
+    a = PageAllocator(4)
+    pages = a.allocate(2)
+    a.free(pages)
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(pages[:1])
+
+
+def test_free_of_sink_or_out_of_range_raises():
+    a = PageAllocator(4)
+    a.allocate(3)
+    with pytest.raises(ValueError, match="sink"):
+        a.free([0])
+    with pytest.raises(ValueError):
+        a.free([4])
+    with pytest.raises(ValueError):
+        a.free([-1])
+
+
+def test_bad_free_leaves_pool_unchanged():
+    a = PageAllocator(6)
+    pages = a.allocate(2)
+    with pytest.raises(ValueError):
+        a.free([pages[0], pages[0]])  # one reference, released twice in one call
+    assert a.ref_count(pages[0]) == 1 and a.num_free_pages == 3
+    with pytest.raises(ValueError):
+        a.free([pages[1], 5])  # 5 was never allocated
+    assert a.ref_count(pages[1]) == 1 and a.num_free_pages == 3
+
+
+def test_incref_keeps_a_page_until_the_last_owner_frees_it():
+    a = PageAllocator(4)
+    [p] = a.allocate(1)
+    a.incref([p])
+    assert a.ref_count(p) == 2
+    a.free([p])
+    assert a.ref_count(p) == 1 and a.num_used_pages == 1
+    a.free([p])
+    assert a.ref_count(p) == 0 and a.num_used_pages == 0
+    with pytest.raises(ValueError):
+        a.incref([p])  # sharing needs a live page
+    with pytest.raises(ValueError):
+        a.incref([0])
+
+
+def test_too_small_pool_is_refused():
+    with pytest.raises(ValueError):
+        PageAllocator(1)
