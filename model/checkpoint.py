@@ -88,8 +88,11 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
         raise CheckpointError(f"{path / METADATA} is not an xlaserve checkpoint of version "
                               f"{FORMAT_VERSION}")
     stored = ModelConfig.from_dict(meta["model_config"])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np_dtype(stored.dtype)),
-                            abstract_params(stored))
+    # With a sharding, orbax restores straight into device arrays rather than numpy.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, np_dtype(stored.dtype), sharding=device),
+        abstract_params(stored))
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore((path / "params").resolve(), abstract)
     cfg = stored.with_dtype(dtype) if dtype else stored

@@ -85,6 +85,8 @@ def fetch_demo_model(out_dir: str | Path) -> Path:
 
 
 def _replace_dir(new: Path, out: Path) -> None:
+    if is_complete(out):
+        return  # a concurrent fetch got there first; keep its folder, readers may be using it
     if out.exists():  # empty, or built by an older _FORMAT: move it aside, then drop it
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)

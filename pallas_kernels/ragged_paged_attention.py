@@ -27,8 +27,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, layer, positions, req_
     T, H, D = q.shape
     K = k_cache.shape[3]
     pages = page_table[req_indices]  # [T, pages_per_req]
-    k = k_cache[layer][pages].reshape(T, -1, K, D)  # [T, S, K, D]
-    v = v_cache[layer][pages].reshape(T, -1, K, D)
+    k = k_cache[layer, pages].reshape(T, -1, K, D)  # [T, S, K, D]
+    v = v_cache[layer, pages].reshape(T, -1, K, D)
     S = k.shape[1]
     qg = q.reshape(T, K, H // K, D).astype(jnp.float32)
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, k.astype(jnp.float32),

@@ -1,0 +1,15 @@
+"""Serving: the host-side scheduler and the device-side engine, the offline API and the server.
+
+`LLM` and the engine pull in JAX; they are imported on first use so that the host-side
+modules (scheduler, pages, buckets, protocol) stay importable without it.
+"""
+from serving.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from serving.llm import LLM
+        return LLM
+    raise AttributeError(name)

@@ -30,6 +30,8 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self._skip_ids = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._fast_decode = _fast_decoder(tokenizer)
+        self._prefix_cache: tuple[tuple[int, int], str] = ((0, 0), "")
         self._ids: list[int] = []  # output ids, without the special ids that decode skips
         self._prefix_offset = 0
         self._read_offset = 0
@@ -78,13 +80,21 @@ class IncrementalDetokenizer:
     # -- decoding ------------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
+
+    def _prefix_text(self) -> str:
+        key = (self._prefix_offset, self._read_offset)
+        if self._prefix_cache[0] != key:  # the window moved since the last call
+            self._prefix_cache = (key, self._decode(self._ids[key[0]:key[1]]))
+        return self._prefix_cache[1]
 
     def _window_body(self) -> str | None:
         """Text of the ids after `read_offset`, decoded with the prefix ids as context, or
         None while it cannot be told yet."""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._prefix_text()
         full = self._decode(self._ids[self._prefix_offset:])
         if full.startswith(prefix_text):
             return full[len(prefix_text):]
@@ -134,6 +144,21 @@ class IncrementalDetokenizer:
         if out:
             self._emitted.append(out)
         return out, None
+
+
+def _fast_decoder(tokenizer):
+    """The Rust decode that tokenizer.decode runs for a fast tokenizer (less its clean-up
+    pass, which we never want), called directly to save microseconds of Python per call;
+    None for tokenizers that decode differently."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from transformers import PreTrainedTokenizerFast
+    cls = type(tokenizer)
+    if cls.decode is not PreTrainedTokenizerFast.decode or \
+            cls._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    return backend.decode
 
 
 def _special_ids(tokenizer) -> frozenset[int]:

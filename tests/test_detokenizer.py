@@ -57,8 +57,26 @@ def sentencepiece_like():
                                    clean_up_tokenization_spaces=False)
 
 
-@pytest.fixture(params=["byte_bpe", "sentencepiece_like"])
+class PlainDecode:
+    """A tokenizer seen only through its Python API (no backend_tokenizer), so the
+    detokenizer takes its generic tokenizer.decode path instead of the Rust shortcut."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+
+@pytest.fixture(params=["byte_bpe", "sentencepiece_like", "plain_decode"])
 def tokenizer(request):
+    if request.param == "plain_decode":
+        return PlainDecode(request.getfixturevalue("sentencepiece_like"))
     return request.getfixturevalue(request.param)
 
 

@@ -1,0 +1,394 @@
+"""The aiohttp OpenAI-compatible server: routes, errors, auth, admission, graceful shutdown.
+
+Handlers validate and tokenize, split a request into one engine request per choice, and
+hand off to `serving.sse` to stream or collect the outputs. Every error leaves in OpenAI's
+envelope; nothing a client sends reaches the engine unvalidated or crashes the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from serving import protocol as p
+from serving import sse
+from serving.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# Not behind the API key and answered while draining: probes and scrapers must see them.
+OPEN_PATHS = {"/health"}
+
+
+@dataclass
+class ServerState:
+    engine: object
+    model: str
+    metrics: Metrics
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_body_bytes: int = 1 << 22
+    draining: bool = False
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    created: int = field(default_factory=p.now)
+    _texts: sse.TokenTexts | None = None
+
+    def token_texts(self) -> sse.TokenTexts:
+        if self._texts is None:
+            self._texts = sse.TokenTexts(self.engine.tokenizer)
+        return self._texts
+
+
+STATE = web.AppKey("xlaserve_state", ServerState)
+
+
+def build_app(engine, *, served_model_name: str, api_key: str | None = None,
+              max_queued_requests: int | None = None,
+              max_body_bytes: int = 1 << 22) -> web.Application:
+    """Best run with handler_cancellation=True (run_server does), so a client that goes away
+    cancels its handler at once; without it, disconnects are noticed at the next write or
+    within half a second (sse.cancel_on_disconnect)."""
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[_error_middleware, _gate_middleware])
+    state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
+                        max_queued_requests, max_body_bytes)
+    state.idle.set()
+    app[STATE] = state
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    return app
+
+
+# -- middleware ----------------------------------------------------------------------------
+
+def _error_response(err: p.ProtocolError) -> web.Response:
+    return web.json_response(err.to_dict(), status=err.status)
+
+
+_HTTP_CODES = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except p.ProtocolError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(p.ProtocolError(exc.reason, status=exc.status,
+                                               code=_HTTP_CODES.get(exc.status)))
+    except ConnectionResetError:
+        raise  # the client is gone; there is nobody to answer
+    except Exception:  # noqa: BLE001 - one bad request must not take the server down
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(p.ProtocolError("internal server error", status=500))
+
+
+def _check_api_key(state: ServerState, request: web.Request) -> None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
+                                                            state.api_key.encode())
+    if not ok:
+        raise p.ProtocolError("missing or invalid API key (Authorization: Bearer ...)",
+                              status=401, code="invalid_api_key")
+
+
+@web.middleware
+async def _gate_middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    if request.path not in OPEN_PATHS:
+        if state.api_key is not None:
+            _check_api_key(state, request)
+    if state.draining and request.path != "/metrics":
+        raise p.ProtocolError("the server is shutting down", status=503, code="shutting_down")
+    state.in_flight += 1
+    state.idle.clear()
+    try:
+        return await handler(request)
+    finally:
+        state.in_flight -= 1
+        if state.in_flight == 0:
+            state.idle.set()
+
+
+# -- request helpers -----------------------------------------------------------------------
+
+async def _read_json(request: web.Request) -> dict:
+    state = request.app[STATE]
+    too_large = p.ProtocolError(f"request body exceeds {state.max_body_bytes} bytes",
+                                status=413, code="request_too_large")
+    if request.content_length is not None and request.content_length > state.max_body_bytes:
+        raise too_large
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise p.ProtocolError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise p.ProtocolError("the request body must be a JSON object")
+    return body
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model:
+        raise p.ProtocolError(f"The model '{model}' does not exist; this server serves "
+                              f"'{state.model}'.", status=404, param="model",
+                              code="model_not_found")
+
+
+def _admit(state: ServerState) -> None:
+    engine = state.engine
+    if not engine.ready:
+        raise p.ProtocolError("the model is still warming up", status=503, code="not_ready")
+    limit = state.max_queued_requests
+    if limit is not None and engine.stats().num_waiting >= limit:
+        raise p.ProtocolError("too many requests are waiting; retry later", status=503,
+                              code="queue_full")
+
+
+def _vocab_size(tokenizer) -> int:
+    return len(tokenizer)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool,
+              add_special_tokens: bool = False) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise p.ProtocolError("this model has no chat template; use /v1/completions",
+                              param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - templates raise for bad conversations
+        raise p.ProtocolError(f"the chat template rejected the messages: {e}",
+                              param="messages") from None
+    # The template already writes BOS and friends where the model wants them.
+    return _encode(tokenizer, text, add_special_tokens)
+
+
+def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
+             prompt_text: str = "") -> list[sse.Choice]:
+    """n engine requests for one prompt. A seeded request gets seed + i per choice so that
+    its choices differ from each other yet stay reproducible."""
+    out = []
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        one = dataclasses.replace(params, n=1, seed=seed)
+        out.append(sse.Choice(first_index + i, p.new_id("req"), prompt_ids, one, prompt_index,
+                              prompt_text))
+    return out
+
+
+async def _respond(request: web.Request, state: ServerState, choices: list[sse.Choice],
+                   fmt, stream: bool, arrival: float) -> web.StreamResponse:
+    stream_ = sse.OutputStream(state.engine, state.metrics, choices, arrival)
+    try:
+        async with sse.cancel_on_disconnect(request):
+            if stream:
+                return await sse.write_stream(request, stream_, fmt, choices)
+            body = await sse.collect(stream_, fmt, choices)
+        return web.json_response(body)
+    except Exception as exc:  # noqa: BLE001 - engine exceptions become OpenAI errors
+        if isinstance(exc, (p.ProtocolError, ConnectionResetError, web.HTTPException)):
+            raise
+        raise sse.engine_exception(exc) from exc
+    finally:
+        await stream_.aclose()  # aborts whatever is still running: client gone, error, ...
+
+
+# -- routes --------------------------------------------------------------------------------
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()  # TTFT counts from here, tokenization included (as vLLM)
+    state = request.app[STATE]
+    engine, tokenizer = state.engine, state.engine.tokenizer
+    _admit(state)
+    req = p.parse_completion_request(await _read_json(request), engine.max_model_len)
+    _check_model(state, req.model)
+    choices: list[sse.Choice] = []
+    for i, prompt in enumerate(req.prompts):
+        if isinstance(prompt, str):
+            ids = _encode(tokenizer, prompt, add_special_tokens=True)
+        else:
+            ids = prompt
+            p.check_token_ids(ids, _vocab_size(tokenizer), "prompt")
+        if not ids:
+            raise p.ProtocolError("the prompt is empty", param="prompt")
+        max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
+        params = dataclasses.replace(req.params, max_tokens=max_tokens)
+        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
+        choices += _choices(ids, i, params, i * req.params.n, echo)
+    _check_sampling_ids(req.params, _vocab_size(tokenizer))
+    texts = state.token_texts() if req.params.logprobs is not None else None
+    fmt = sse.CompletionFormat(p.new_id("cmpl"), state.model, texts, req.include_usage)
+    return await _respond(request, state, choices, fmt, req.stream, arrival)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()  # TTFT counts from here, tokenization included (as vLLM)
+    state = request.app[STATE]
+    engine, tokenizer = state.engine, state.engine.tokenizer
+    _admit(state)
+    req = p.parse_chat_request(await _read_json(request))
+    _check_model(state, req.model)
+    ids = _chat_ids(tokenizer, req.messages, req.add_generation_prompt)
+    max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
+                                 prompt_param="messages", max_tokens_param=req.max_tokens_param)
+    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    _check_sampling_ids(params, _vocab_size(tokenizer))
+    texts = state.token_texts() if req.logprobs else None
+    fmt = sse.ChatFormat(p.new_id("chatcmpl"), state.model, texts, req.include_usage)
+    return await _respond(request, state, _choices(ids, 0, params, 0), fmt, req.stream,
+                          arrival)
+
+
+def _check_sampling_ids(params, vocab_size: int) -> None:
+    p.check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    p.check_token_ids(list(params.logit_bias), vocab_size, "logit_bias")
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model, "object": "model", "created": state.created,
+            "owned_by": "xlaserve", "root": state.model,
+            "max_model_len": state.engine.max_model_len}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _check_model(state, request.match_info["model"])
+    return web.json_response(_model_card(state))
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]  # while draining, the gate already answers 503
+    if not state.engine.ready:
+        raise p.ProtocolError("the model is still warming up", status=503, code="not_ready")
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    stats = state.engine.stats()
+    state.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
+                                   stats.num_preemptions_total)
+    response = web.Response(body=state.metrics.render())
+    response.headers["Content-Type"] = state.metrics.content_type
+    return response
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tokenizer = state.engine.tokenizer
+    body = await _read_json(request)
+    _check_model(state, p.opt_str(body, "model"))
+    if "messages" in body:
+        req = p.parse_chat_request({"messages": body["messages"]})
+        ids = _chat_ids(tokenizer, req.messages, p.opt_bool(body, "add_generation_prompt", True),
+                        p.opt_bool(body, "add_special_tokens", False))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise p.ProtocolError("'prompt' (a string) or 'messages' is required",
+                                  param="prompt")
+        ids = _encode(tokenizer, prompt, p.opt_bool(body, "add_special_tokens", True))
+    return web.json_response({"tokens": ids, "count": len(ids),
+                              "max_model_len": state.engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tokenizer = state.engine.tokenizer
+    body = await _read_json(request)
+    _check_model(state, p.opt_str(body, "model"))
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(p.is_int(t) and t >= 0 for t in tokens)):
+        raise p.ProtocolError("'tokens' must be a list of token ids", param="tokens")
+    p.check_token_ids(tokens, _vocab_size(tokenizer), "tokens")
+    return web.json_response({"prompt": tokenizer.decode(tokens)})
+
+
+# -- serving -------------------------------------------------------------------------------
+
+async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
+                     served_model_name: str, api_key: str | None = None,
+                     max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
+                     grace_period_s: float = 30.0,
+                     stop_event: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or stop_event), then drain: stop listening, answer new
+    requests on open connections with 503, let in-flight ones finish within grace_period_s
+    (a second signal cuts it short), cancel the rest (which aborts their engine requests)
+    and return, so the caller can exit 0."""
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
+                    max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes)
+    state = app[STATE]
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    for address in runner.addresses:
+        print(f"xlaserve: serving '{served_model_name}' on http://{address[0]}:{address[1]}",
+              flush=True)
+    stop = stop_event or asyncio.Event()
+    force = asyncio.Event()  # a second signal: skip the rest of the grace period
+    installed = _install_signal_handlers(lambda: (force if stop.is_set() else stop).set())
+    try:
+        await stop.wait()
+        print("xlaserve: shutting down, draining in-flight requests", flush=True)
+        state.draining = True
+        await site.stop()
+        waits = [asyncio.create_task(state.idle.wait()), asyncio.create_task(force.wait())]
+        await asyncio.wait(waits, timeout=grace_period_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if state.in_flight:
+            print(f"xlaserve: aborting {state.in_flight} unfinished request(s)", flush=True)
+    finally:
+        _remove_signal_handlers(installed)
+        await runner.cleanup()
+
+
+def _install_signal_handlers(callback) -> list[int]:
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, callback)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread, or no signals here: stop_event still works
+    return installed
+
+
+def _remove_signal_handlers(installed: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in installed:
+        loop.remove_signal_handler(sig)

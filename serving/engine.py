@@ -1,0 +1,192 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+    out = scheduler.schedule()               # host: who runs, how many tokens, which pages
+    handle = runner.dispatch(prepare(out))   # device: one compiled program per bucket
+    outputs = self._emit(last step)          # host: detokenize while the device works
+    scheduler.update(out, runner.fetch(handle).tokens)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+
+from model.checkpoint import load_model, param_bytes
+from model.kv_cache import bytes_per_page
+from serving import sizing
+from serving.config import EngineConfig
+from serving.detokenizer import IncrementalDetokenizer
+from serving.input_prep import all_step_shapes, padding_step, prepare
+from serving.outputs import RequestOutput, TokenLogprob
+from serving.request import Request, RequestStatus
+from serving.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
+from serving.sampling_params import SamplingParams
+from serving.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("xlaserve")
+ATTENTION_BACKENDS = ("auto", "reference")
+
+
+@dataclass
+class _State:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    num_emitted: int = 0
+    text: str = ""
+
+
+@dataclass
+class _Pending:
+    """Requests that got a token in the last step, emitted during the next one."""
+    requests: list[Request] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    result: StepResult | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
+        if ec.compilation_cache_dir:
+            enable_compilation_cache(ec.compilation_cache_dir)
+        if ec.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {ec.attention_backend!r}; choose one of "
+                             + ", ".join(ATTENTION_BACKENDS))
+        self.model_dir = sizing.resolve_model_dir(ec.model)
+        self.cfg, params = load_model(self.model_dir, ec.dtype, progress=ec.progress)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
+        self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
+        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
+        self.weight_bytes = param_bytes(params)
+        on_gpu = jax.default_backend() == "gpu"
+        page_bytes = bytes_per_page(self.cfg, ec.page_size)
+        self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, self.weight_bytes,
+                                          device_memory_bytes(), on_gpu)
+        self.kv_cache_bytes = self.num_pages * page_bytes
+        self.scheduler = Scheduler(SchedulerConfig(
+            ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
+            self.num_pages))
+        self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
+                                  page_size=ec.page_size, attention_backend="reference")
+        self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
+        self._states: dict[str, _State] = {}
+        self._pending = _Pending()
+        self._seeds = random.Random(ec.seed)
+
+    def warmup(self) -> list[float]:
+        """Compiles every step shape; returns the seconds each took."""
+        return self.runner.warmup([padding_step(s, self.config.page_size)
+                                   for s in self.step_shapes], self.config.progress)
+
+    def describe(self) -> str:
+        b = self.buckets
+        return (f"model {self.model_dir} ({self.cfg.architecture}, {self.cfg.dtype}), "
+                f"weights {self.weight_bytes / 2**20:.0f} MiB, KV cache "
+                f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
+                f"{self.config.page_size} tokens; max_model_len {self.max_model_len}; buckets: "
+                f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
+                f"-> {len(self.step_shapes)} programs")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queues a request; raises ValueError if it can never run."""
+        vocab = self.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output)
+        self._states[request_id] = _State(req, detok, [] if params.logprobs is not None else None)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._states.pop(request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._pending.requests)
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return self._emit_pending()
+        handle = self.runner.dispatch(prepare(out, self.buckets, self.config.page_size,
+                                              self.config.max_num_seqs))
+        outputs = self._emit_pending()
+        result = self.runner.fetch(handle)
+        sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
+        changed = self.scheduler.update(out, sampled)
+        row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Ends every request with an error (after a failed step), freeing its pages."""
+        outputs = []
+        for request_id, st in list(self._states.items()):
+            self.abort(request_id)
+            outputs.append(RequestOutput(request_id, st.request.prompt_token_ids,
+                                         list(st.request.output_token_ids), st.text,
+                                         finished=True, finish_reason="error", error=error))
+        self._pending = _Pending()
+        return outputs
+
+    def _emit_pending(self) -> list[RequestOutput]:
+        p, self._pending = self._pending, _Pending()
+        outputs = []
+        for req, row in zip(p.requests, p.rows):
+            st = self._states.get(req.request_id)
+            if st is not None:
+                outputs.append(self._output(st, p.result, row))
+        return outputs
+
+    def _output(self, st: _State, result: StepResult, row: int) -> RequestOutput:
+        req = st.request
+        new_ids = req.output_token_ids[st.num_emitted:]
+        st.num_emitted = len(req.output_token_ids)
+        new_text, stop = st.detokenizer.add(new_ids)
+        if stop is not None and not req.is_finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        elif req.is_finished:
+            new_text += st.detokenizer.flush()
+        st.text += new_text
+        new_logprobs = None
+        if st.logprobs is not None and new_ids:
+            k = req.sampling_params.logprobs
+            top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+            new_logprobs = [TokenLogprob(new_ids[-1], float(result.logprob[row]), top)]
+            st.logprobs += new_logprobs
+        if req.is_finished:
+            del self._states[req.request_id]
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             st.text, new_ids, new_text, st.logprobs, new_logprobs,
+                             req.is_finished, req.finish_reason, req.stop_reason)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,143 @@
+"""SchedulerOutput -> numpy arrays padded to a bucket: everything a step sends to the device.
+
+Host side: numpy only, no JAX. Field names match model.batch.Batch and
+serving.sampler.SamplingInputs, which the runner builds from these dicts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving.buckets import Buckets
+from serving.sampling_params import MAX_LOGIT_BIAS
+from serving.scheduler import SchedulerOutput
+
+SINK_SLOT = 0  # padding tokens write to slot 0 of the reserved sink page 0
+
+
+@dataclass
+class StepArrays:
+    shape: tuple[int, int, int]  # (tokens, requests, pages per request) bucket
+    batch: dict[str, np.ndarray]
+    sampling: dict[str, np.ndarray]
+    wants_logprobs: bool
+
+
+def step_shape(buckets: Buckets, num_tokens: int, num_reqs: int, num_pages: int,
+               max_num_seqs: int) -> tuple[int, int, int]:
+    """The bucket a step runs in. The request count follows the token bucket (never more
+    requests than tokens), so the shapes to compile are tokens x pages."""
+    T = buckets.pad_tokens(num_tokens)
+    R = buckets.pad_requests(max(num_reqs, min(T, max_num_seqs)))
+    return T, R, buckets.pad_pages(max(num_pages, 1))
+
+
+def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    return sorted({step_shape(buckets, t, 1, p, max_num_seqs)
+                   for t in buckets.tokens for p in buckets.pages})
+
+
+def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
+            max_num_seqs: int) -> StepArrays:
+    sched = out.scheduled
+    T, R, P = step_shape(buckets, out.num_batched_tokens, len(sched),
+                         max(len(s.page_ids) for s in sched), max_num_seqs)
+    input_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, SINK_SLOT, np.int32)
+    req_indices = np.full(T, R - 1, np.int32)
+    page_table = np.zeros((R, P), np.int32)
+    logits_indices = np.zeros(R, np.int32)
+    t = 0
+    for i, s in enumerate(sched):
+        n = s.num_new_tokens
+        pos = np.arange(s.start, s.start + n, dtype=np.int32)
+        pages = np.asarray(s.page_ids, np.int32)
+        page_table[i, :len(pages)] = pages
+        input_ids[t:t + n] = s.token_ids
+        positions[t:t + n] = pos
+        slots[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
+        req_indices[t:t + n] = i
+        logits_indices[i] = t + n - 1
+        t += n
+    batch = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                 req_indices=req_indices, page_table=page_table, logits_indices=logits_indices)
+    sampling = _sampling_arrays(out, R, P * page_size)
+    wants = any(s.request.sampling_params.logprobs is not None for s in sched)
+    return StepArrays((T, R, P), batch, sampling, wants)
+
+
+def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
+    """A step of the given shape made only of padding (for compiling it)."""
+    T, R, P = shape
+    batch = dict(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+                 slot_mapping=np.full(T, SINK_SLOT, np.int32),
+                 req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
+                 logits_indices=np.zeros(R, np.int32))
+    return StepArrays(shape, batch, _sampling_arrays(SchedulerOutput(), R, P * page_size), False)
+
+
+def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarray]:
+    """S: history length (pages per request x page size)."""
+    sched = out.scheduled
+    params = [s.request.sampling_params for s in sched]
+    pad = R - len(sched)
+
+    def col(values, dtype, fill):
+        return np.asarray(list(values) + [fill] * pad, dtype)
+
+    arrays = dict(
+        temperature=col((p.temperature for p in params), np.float32, 0.0),
+        top_k=col((p.top_k for p in params), np.int32, 0),
+        top_p=col((p.top_p for p in params), np.float32, 1.0),
+        min_p=col((p.min_p for p in params), np.float32, 0.0),
+        seed=col((s.request.seed for s in sched), np.uint32, 0),
+        output_index=col((s.request.num_output_tokens for s in sched), np.int32, 0),
+        repetition_penalty=col((p.repetition_penalty for p in params), np.float32, 1.0),
+        presence_penalty=col((p.presence_penalty for p in params), np.float32, 0.0),
+        frequency_penalty=col((p.frequency_penalty for p in params), np.float32, 0.0),
+        num_prompt=col((s.request.num_prompt_tokens for s in sched), np.int32, 0),
+    )
+    any_penalty = any(p.uses_penalties for p in params)
+    any_bias = any(p.logit_bias for p in params)
+    # Only penalised or biased steps pay for these arrays; others send tiny placeholders
+    # of a fixed shape so the program does not change.
+    arrays["history"] = _history(sched, R, S) if any_penalty else _placeholder((R, S))
+    arrays["bias_ids"], arrays["bias_values"] = (
+        _bias(params, R) if any_bias else (_placeholder((R, MAX_LOGIT_BIAS)),
+                                           np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
+    arrays.update(
+        any_penalty=np.bool_(any_penalty), any_bias=np.bool_(any_bias),
+        any_filter=np.bool_(any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+                                for p in params if not p.greedy)),
+        any_random=np.bool_(any(not p.greedy for p in params)),
+        any_logprobs=np.bool_(any(p.logprobs is not None for p in params)))
+    return arrays
+
+
+_placeholders: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _placeholder(shape: tuple[int, int]) -> np.ndarray:
+    if shape not in _placeholders:
+        _placeholders[shape] = np.full(shape, -1, np.int32)
+    return _placeholders[shape]
+
+
+def _history(sched, R: int, S: int) -> np.ndarray:
+    history = np.full((R, S), -1, np.int32)
+    for i, s in enumerate(sched):
+        if s.request.sampling_params.uses_penalties:
+            tokens = s.request.all_token_ids[:S]
+            history[i, :len(tokens)] = tokens
+    return history
+
+
+def _bias(params, R: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((R, MAX_LOGIT_BIAS), -1, np.int32)
+    values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
+    for i, p in enumerate(params):
+        for j, (token, value) in enumerate(p.logit_bias.items()):
+            ids[i, j], values[i, j] = token, value
+    return ids, values

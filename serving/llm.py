@@ -1,0 +1,76 @@
+"""The offline API: `LLM(model_dir, **engine_options).generate(prompts, params)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.outputs import RequestOutput
+from serving.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionResult:
+    """The result for one prompt: the first sample's fields, and all n samples in `outputs`."""
+    prompt_token_ids: list[int]
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self):
+        return self.outputs[0].logprobs
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_options):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        if warmup:
+            self.engine.warmup()
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[CompletionResult]:
+        """prompts: a string, a list of token ids, or a list of either."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        results, ids = [], {}
+        for prompt, p in zip(prompts, params):
+            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            result = CompletionResult(tokens, [None] * p.n)
+            for i, sample_params in enumerate(_per_sample(p)):
+                self._counter += 1
+                request_id = f"offline-{self._counter}"
+                self.engine.add_request(request_id, tokens, sample_params)
+                ids[request_id] = (result, i)
+            results.append(result)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    result, i = ids[out.request_id]
+                    result.outputs[i] = out
+        return results
+
+
+def _per_sample(p: SamplingParams) -> list[SamplingParams]:
+    """n samples become n requests; seeded ones get seed, seed + 1, ... so they differ."""
+    from dataclasses import replace
+    if p.n == 1:
+        return [p]
+    return [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]

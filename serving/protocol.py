@@ -1,0 +1,423 @@
+"""OpenAI request parsing/validation and response shapes. Pure Python: no aiohttp, no JAX.
+
+Validation is strict about types (a bool is not an int, NaN and infinities are rejected, a
+string is never coerced) and lenient about unknown fields, which are ignored as OpenAI and
+vLLM do. Every rejection is a ProtocolError carrying the HTTP status and OpenAI's error
+envelope; the server turns it into a response.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from serving.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_CHOICES = 256  # prompts x n per request: bounds what one request can queue
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                   413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                   503: "service_unavailable_error"}
+
+
+class ProtocolError(Exception):
+    """A request the server answers with an error; `to_dict()` is OpenAI's envelope."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str | None = None,
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# -- typed field access --------------------------------------------------------------------
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _bad(param: str, rule: str, value) -> ProtocolError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return ProtocolError(f"'{param}' must be {rule}, got {shown}", param=param)
+
+
+def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
+        raise _bad(name, "an integer" + bounds, value)
+    return value
+
+
+def _number(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)):
+        raise _bad(name, "a finite number", value)
+    return float(value)
+
+
+def opt_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, "a boolean", value)
+    return value
+
+
+def opt_str(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise _bad(name, "a string", value)
+    return value
+
+
+def _unsupported(param: str, what: str) -> ProtocolError:
+    return ProtocolError(f"{what} is not supported by this server", param=param,
+                         code="unsupported_parameter")
+
+
+# -- requests ------------------------------------------------------------------------------
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]  # one entry per prompt: text or token ids
+    params: SamplingParams  # params.n choices per prompt
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]  # [{"role": system|user|assistant, "content": str}]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    add_generation_prompt: bool = True
+    max_tokens_param: str = "max_tokens"  # which field set the limit, for error messages
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not (isinstance(value, list) and len(value) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and s for s in value)):
+        raise _bad("stop", f"a non-empty string or a list of at most {MAX_STOP_STRINGS}", value)
+    return list(value)
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return []
+    if not (isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)):
+        raise _bad("stop_token_ids", "a list of token ids", value)
+    return list(value)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", "an object mapping token ids to numbers", value)
+    bias = {}
+    for key, v in value.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise _bad("logit_bias", "keyed by token ids (as strings)", key)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise _bad("logit_bias", "an object mapping token ids to finite numbers", v)
+        bias[int(key)] = float(v)
+    return bias
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """Returns include_usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ProtocolError("'stream_options' is only allowed when 'stream' is true",
+                            param="stream_options")
+    if not isinstance(options, dict):
+        raise _bad("stream_options", "an object", options)
+    return opt_bool(options, "include_usage") if "include_usage" in options else False
+
+
+def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
+                     logprobs_param: str) -> SamplingParams:
+    """The fields both endpoints share. Types are checked here, ranges by SamplingParams."""
+    seed = _int(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)
+    n = _int(body, "n", 1)
+    if _int(body, "best_of", n) != n:
+        raise _unsupported("best_of", "best_of different from n")
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if opt_bool(body, name, True) is False:
+            raise _unsupported(name, f"{name}=false")
+    kwargs = dict(
+        n=n, seed=seed, max_tokens=max_tokens, stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body), logit_bias=_logit_bias(body), logprobs=logprobs,
+        temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", 0), min_p=_number(body, "min_p", 0.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        ignore_eos=opt_bool(body, "ignore_eos"),
+        include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"))
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(name, name)
+        raise ProtocolError(str(e).replace(name, param, 1), param=param) from None
+    if params.n > MAX_CHOICES:
+        raise _bad("n", f"at most {MAX_CHOICES}", params.n)
+    return params
+
+
+def _common(body) -> tuple[str | None, bool, bool]:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    model = opt_str(body, "model")
+    stream = opt_bool(body, "stream")
+    return model, stream, _stream_options(body, stream)
+
+
+def _prompts(value) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(is_int(t) and t >= 0 for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p)
+               for p in value):
+            return [list(p) for p in value]
+    raise ProtocolError("'prompt' must be a string, a list of strings, a list of token ids or "
+                        "a list of lists of token ids", param="prompt")
+
+
+def parse_completion_request(body: dict, max_model_len: int) -> CompletionRequest:
+    model, stream, include_usage = _common(body)
+    if "prompt" not in body:
+        raise ProtocolError("'prompt' is required", param="prompt")
+    prompts = _prompts(body["prompt"])
+    if body.get("suffix") is not None:
+        raise _unsupported("suffix", "suffix")
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = opt_bool(body, "echo")
+    if echo and logprobs is not None:
+        raise _unsupported("echo", "echo together with logprobs (prompt logprobs)")
+    max_tokens = _int(body, "max_tokens", 16)
+    params = _sampling_params(body, max_tokens=max_tokens, max_tokens_param="max_tokens",
+                              logprobs=logprobs, logprobs_param="logprobs")
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise ProtocolError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
+                            param="n")
+    for p in prompts:  # token-id prompts can be checked before tokenization
+        if isinstance(p, list):
+            check_context(len(p), params.max_tokens, max_model_len)
+    return CompletionRequest(model, prompts, params, stream, include_usage, echo)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None and message["role"] == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ProtocolError(f"messages[{i}].content: only text parts "
+                                    "({'type': 'text', 'text': ...}) are supported",
+                                    param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise _bad("messages", "messages whose content is a string or a list of text parts", content)
+
+
+def _messages(value) -> list[dict]:
+    if not (isinstance(value, list) and value):
+        raise ProtocolError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise ProtocolError(f"messages[{i}].role must be one of {sorted(ROLES)}, "
+                                f"got {role!r}", param="messages")
+        out.append({"role": ROLES[message["role"]], "content": _content(message, i)})
+    return out
+
+
+def parse_chat_request(body: dict) -> ChatRequest:
+    model, stream, include_usage = _common(body)
+    messages = _messages(body.get("messages"))
+    if body.get("tools"):
+        raise _unsupported("tools", "tool calling")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _unsupported("response_format", "response_format other than text")
+    logprobs = opt_bool(body, "logprobs")
+    top_logprobs = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise ProtocolError("'top_logprobs' requires 'logprobs' to be true",
+                            param="top_logprobs")
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _int(body, param, None)
+    params = _sampling_params(body, max_tokens=max_tokens, max_tokens_param=param,
+                              logprobs=(top_logprobs or 0) if logprobs else None,
+                              logprobs_param="top_logprobs")
+    return ChatRequest(model, messages, params, stream, include_usage, logprobs,
+                       top_logprobs or 0, opt_bool(body, "add_generation_prompt", True), param)
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
+                  prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
+    """Returns the effective max_tokens (what is left of the context when None)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for a completion.",
+            param=prompt_param, code="context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
+            f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
+    return max_tokens
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ProtocolError(f"token id {bad} in '{param}' is outside the vocabulary "
+                            f"(size {vocab_size})", param=param)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _envelope(obj: str, request_id: str, model: str, created: int, choices: list,
+              **extra) -> dict:
+    return {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": choices, **extra}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs=None,
+                      stop_reason=None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def completion_response(request_id: str, model: str, created: int, choices: list[dict],
+                        usage_: dict) -> dict:
+    return _envelope("text_completion", request_id, model, created, choices, usage=usage_)
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None = None, logprobs=None, stop_reason=None,
+                     include_usage: bool = False) -> dict:
+    choice = completion_choice(index, text, finish_reason, logprobs, stop_reason)
+    extra = {"usage": None} if include_usage else {}
+    return _envelope("text_completion", request_id, model, created, [choice], **extra)
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None, logprobs=None,
+                stop_reason=None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": content},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_response(request_id: str, model: str, created: int, choices: list[dict],
+                  usage_: dict) -> dict:
+    return _envelope("chat.completion", request_id, model, created, choices, usage=usage_)
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict,
+               finish_reason: str | None = None, logprobs=None, stop_reason=None,
+               include_usage: bool = False) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs,
+              "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    extra = {"usage": None} if include_usage else {}
+    return _envelope("chat.completion.chunk", request_id, model, created, [choice], **extra)
+
+
+def usage_chunk(obj: str, request_id: str, model: str, created: int, usage_: dict) -> dict:
+    """The last chunk before [DONE] with stream_options.include_usage: no choices."""
+    return _envelope(obj, request_id, model, created, [], usage=usage_)
+
+
+@dataclass
+class LogprobEntry:
+    """One sampled token with its logprob and the top alternatives, as text and bytes."""
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[tuple[str, list[int], float]] = field(default_factory=list)
+
+
+def completion_logprobs(entries: list[LogprobEntry], text_offset: int = 0) -> dict:
+    """Completions shape; text_offset is where the first token starts in the choice text."""
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tok: lp for tok, _, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, b, lp in e.top]}
+        for e in entries]}

@@ -1,0 +1,119 @@
+"""On-device sampling, vectorised over the batch: one row per request, no Python branches on
+per-request values. Work that no request in the step needs is skipped with `lax.cond`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+NUM_TOP_LOGPROBS = 20  # top logprobs computed when any request asks; each keeps its own count
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingInputs:
+    temperature: jax.Array  # f32[R], 0 = greedy
+    top_k: jax.Array  # i32[R], 0 = off
+    top_p: jax.Array  # f32[R]
+    min_p: jax.Array  # f32[R]
+    seed: jax.Array  # u32[R]
+    output_index: jax.Array  # i32[R] index of the token being sampled in the request's output
+    repetition_penalty: jax.Array  # f32[R]
+    presence_penalty: jax.Array  # f32[R]
+    frequency_penalty: jax.Array  # f32[R]
+    history: jax.Array  # i32[R, S] prompt + output tokens, -1 padded (only when penalised)
+    num_prompt: jax.Array  # i32[R] entries of history before this index are prompt tokens
+    bias_ids: jax.Array  # i32[R, NB], -1 padded
+    bias_values: jax.Array  # f32[R, NB]
+    any_penalty: jax.Array  # bool[]
+    any_bias: jax.Array  # bool[]
+    any_filter: jax.Array  # bool[] top-k, top-p or min-p in use
+    any_random: jax.Array  # bool[] some row has temperature > 0
+    any_logprobs: jax.Array  # bool[]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[R]
+    logprob: jax.Array  # f32[R] of the sampled token under the model's distribution
+    top_ids: jax.Array  # i32[R, NUM_TOP_LOGPROBS]
+    top_logprobs: jax.Array  # f32[R, NUM_TOP_LOGPROBS]
+
+
+def apply_penalties(logits, s: SamplingInputs):
+    R, V = logits.shape
+    valid = s.history >= 0
+    ids = jnp.where(valid, s.history, 0)
+    rows = jnp.arange(R)[:, None]
+    is_output = valid & (jnp.arange(s.history.shape[1])[None, :] >= s.num_prompt[:, None])
+    seen = jnp.zeros((R, V), bool).at[rows, ids].max(valid)
+    counts = jnp.zeros((R, V), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    rp = s.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - s.frequency_penalty[:, None] * counts
+    return logits - s.presence_penalty[:, None] * (counts > 0)
+
+
+def apply_bias(logits, s: SamplingInputs):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    valid = s.bias_ids >= 0
+    return logits.at[rows, jnp.where(valid, s.bias_ids, 0)].add(
+        jnp.where(valid, s.bias_values, 0.0))
+
+
+def apply_filters(logits, s: SamplingInputs):
+    """Masks tokens outside top-k, top-p (nucleus) and min-p, all on one descending sort."""
+    V = logits.shape[1]
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    vals = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(vals / temp, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(s.top_k > 0, s.top_k, V)[:, None]
+    keep = (rank < k) & (jnp.cumsum(probs, -1) - probs < s.top_p[:, None])
+    keep &= probs >= s.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _gumbel(s: SamplingInputs, shape):
+    def row(seed, index):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.PRNGKey(seed), index), shape[1:])
+    return jax.vmap(row)(s.seed, s.output_index)
+
+
+def _top_logprobs(logits):
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    vals, ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
+    return logprobs, ids.astype(jnp.int32), vals
+
+
+def sample(logits, s: SamplingInputs) -> SampleOutput:
+    """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
+    and output index, so a request samples the same tokens whatever else is in the batch."""
+    R, V = logits.shape
+    raw = logits
+    logits = jax.lax.cond(s.any_penalty, apply_penalties, lambda l, _: l, logits, s)
+    logits = jax.lax.cond(s.any_bias, apply_bias, lambda l, _: l, logits, s)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_tokens(logits):
+        filtered = jax.lax.cond(s.any_filter, apply_filters, lambda l, _: l, logits, s)
+        temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+        return jnp.argmax(filtered / temp + _gumbel(s, (R, V)), axis=-1).astype(jnp.int32)
+
+    drawn = jax.lax.cond(s.any_random, random_tokens, lambda l: greedy, logits)
+    tokens = jnp.where(s.temperature > 0, drawn, greedy)
+
+    def logprob_outputs(raw):
+        logprobs, ids, vals = _top_logprobs(raw)
+        return jnp.take_along_axis(logprobs, tokens[:, None], 1)[:, 0], ids, vals
+
+    def no_logprobs(raw):
+        return (jnp.zeros((R,), jnp.float32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+
+    logprob, top_ids, top_vals = jax.lax.cond(s.any_logprobs, logprob_outputs, no_logprobs, raw)
+    return SampleOutput(tokens, logprob, top_ids, top_vals)

@@ -1,0 +1,756 @@
+"""OpenAI protocol: request validation, SamplingParams mapping and response shapes; then the
+aiohttp server against a fake engine (SSE framing, n > 1, usage, errors, disconnects,
+metrics, drain). The fake engine "generates" the prompt's tokens in reverse."""
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from serving import protocol as p
+from serving.api_server import build_app, run_server
+from serving.detokenizer import IncrementalDetokenizer
+from serving.outputs import RequestOutput, TokenLogprob
+from serving.sampling_params import SamplingParams
+
+MODEL = "tiny-test"
+
+
+# -- request validation ----------------------------------------------------------------
+
+def _err(fn, *args):
+    with pytest.raises(p.ProtocolError) as info:
+        fn(*args)
+    return info.value
+
+
+def _completion(**fields):
+    return p.parse_completion_request({"model": MODEL, "prompt": "hi", **fields}, 128)
+
+
+def _chat(**fields):
+    return p.parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                 **fields})
+
+
+COMMON_BAD = [  # (field, value, param): rejected by both endpoints
+    ("temperature", "0.5", "temperature"), ("temperature", True, "temperature"),
+    ("temperature", float("nan"), "temperature"), ("temperature", float("inf"), "temperature"),
+    ("temperature", -0.1, "temperature"), ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"),
+    ("top_k", -2, "top_k"), ("top_k", 2.5, "top_k"), ("min_p", 1.5, "min_p"),
+    ("n", 0, "n"), ("n", True, "n"), ("n", 1000, "n"), ("seed", "1", "seed"),
+    ("seed", 1.0, "seed"), ("seed", 2 ** 70, "seed"), ("max_tokens", 0, "max_tokens"),
+    ("max_tokens", "10", "max_tokens"), ("max_tokens", False, "max_tokens"),
+    ("stop", 5, "stop"), ("stop", [""], "stop"), ("stop", ["a"] * 17, "stop"),
+    ("stop", ["a", 1], "stop"), ("stop_token_ids", [1, -1], "stop_token_ids"),
+    ("stop_token_ids", "1", "stop_token_ids"), ("presence_penalty", 3, "presence_penalty"),
+    ("frequency_penalty", -2.5, "frequency_penalty"),
+    ("repetition_penalty", 0, "repetition_penalty"), ("logit_bias", [1], "logit_bias"),
+    ("logit_bias", {"abc": 1}, "logit_bias"), ("logit_bias", {"5": 101}, "logit_bias"),
+    ("logit_bias", {"5": "1"}, "logit_bias"), ("logit_bias", {"5": True}, "logit_bias"),
+    ("ignore_eos", 1, "ignore_eos"), ("stream", "true", "stream"),
+    ("stream_options", {"include_usage": True}, "stream_options"),  # without stream
+    ("model", 3, "model"), ("best_of", 3, "best_of"),
+    ("skip_special_tokens", False, "skip_special_tokens"),
+]
+
+
+@pytest.mark.parametrize("field,value,param", COMMON_BAD)
+@pytest.mark.parametrize("parse", [_completion, _chat])
+def test_bad_field_rejected(parse, field, value, param):
+    err = _err(lambda: parse(**{field: value}))
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
+    assert err.to_dict() == {"error": {"message": err.message, "type": "invalid_request_error",
+                                       "param": param, "code": err.code}}
+    assert param in err.message
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"prompt": None}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": [1, -3]}, "prompt"), ({"prompt": [True]}, "prompt"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"echo": "yes"}, "echo"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "x"}, "suffix"), ({"prompt": ["a"] * 200, "n": 2}, "n"),
+    ({"prompt": list(range(100)), "max_tokens": 29}, "max_tokens"),
+    ({"prompt": list(range(128))}, "prompt"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+    ({"stream": True, "stream_options": [1]}, "stream_options"),
+])
+def test_bad_completion_request(fields, param):
+    body = {"model": MODEL, "prompt": "hi", **fields}
+    if body["prompt"] is None:
+        del body["prompt"]
+    err = _err(p.parse_completion_request, body, 128)
+    assert (err.status, err.param) == (400, param)
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages"),
+    ({"messages": ["hi"]}, "messages"),
+    ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_chat_request(fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    err = _err(p.parse_chat_request, body)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_body_must_be_an_object():
+    assert _err(p.parse_chat_request, [1]).status == 400
+    assert _err(p.parse_completion_request, "x", 10).status == 400
+
+
+def test_completion_request_maps_to_sampling_params():
+    req = _completion(prompt=["a", "b"], max_tokens=7, temperature=0, top_p=0.9, top_k=-1,
+                      min_p=0.1, n=3, seed=5, stop="END", stop_token_ids=[2],
+                      presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                      logit_bias={"7": -100, "9": 2.5}, logprobs=2, ignore_eos=True,
+                      stream=True, stream_options={"include_usage": True}, user="u",
+                      some_future_field={"x": 1})
+    assert req.prompts == ["a", "b"] and req.stream and req.include_usage and not req.echo
+    assert req.params == SamplingParams(
+        n=3, temperature=0.0, top_p=0.9, top_k=0, min_p=0.1, seed=5, max_tokens=7,
+        stop=["END"], stop_token_ids=[2], ignore_eos=True, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={7: -100.0, 9: 2.5},
+        logprobs=2)
+    assert _completion().params == SamplingParams(max_tokens=16)
+    assert _completion(prompt=[1, 2]).prompts == [[1, 2]]
+    assert _completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    assert _completion(echo=True).echo
+
+
+def test_chat_request_maps_to_sampling_params():
+    req = _chat(messages=[{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": None}],
+                max_tokens=3, max_completion_tokens=9, logprobs=True, top_logprobs=4)
+    assert req.messages == [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "a\nb"},
+                            {"role": "assistant", "content": ""}]
+    assert req.params.max_tokens == 9 and req.max_tokens_param == "max_completion_tokens"
+    assert req.params.logprobs == 4 and req.logprobs and req.top_logprobs == 4
+    assert _chat(logprobs=True).params.logprobs == 0
+    assert _chat().params == SamplingParams(max_tokens=None)
+    assert _chat(max_tokens=5).params.max_tokens == 5
+
+
+def test_check_context():
+    assert p.check_context(10, None, 64) == 54
+    assert p.check_context(10, 54, 64) == 54
+    err = _err(p.check_context, 10, 55, 64)
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
+    err = _err(lambda: p.check_context(64, None, 64, prompt_param="messages"))
+    assert (err.code, err.param) == ("context_length_exceeded", "messages")
+
+
+def test_response_shapes():
+    u = p.usage(3, 4)
+    assert u == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    rid = p.new_id("chatcmpl")
+    assert rid.startswith("chatcmpl-") and len(rid) > 20
+    resp = p.chat_response(rid, MODEL, 1, [p.chat_choice(0, "hey", "stop")], u)
+    assert resp["object"] == "chat.completion" and resp["usage"] == u
+    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
+    chunk = p.chat_chunk(rid, MODEL, 1, 1, {"content": "x"}, include_usage=True)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
+    assert chunk["choices"][0] == {"index": 1, "delta": {"content": "x"}, "logprobs": None,
+                                   "finish_reason": None}
+    c = p.completion_chunk("cmpl-1", MODEL, 1, 0, "t", "length")
+    assert c["object"] == "text_completion" and c["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in c
+    last = p.usage_chunk("text_completion", "cmpl-1", MODEL, 1, u)
+    assert last["choices"] == [] and last["usage"] == u
+    entries = [p.LogprobEntry("ab", [97, 98], -0.1, [("ab", [97, 98], -0.1), ("c", [99], -2.0)]),
+               p.LogprobEntry("d", [100], -0.5, [])]
+    assert p.completion_logprobs(entries, 3) == {
+        "tokens": ["ab", "d"], "token_logprobs": [-0.1, -0.5],
+        "top_logprobs": [{"ab": -0.1, "c": -2.0}, {}], "text_offset": [3, 5]}
+    assert p.chat_logprobs(entries[:1]) == {"content": [
+        {"token": "ab", "logprob": -0.1, "bytes": [97, 98],
+         "top_logprobs": [{"token": "ab", "logprob": -0.1, "bytes": [97, 98]},
+                          {"token": "c", "logprob": -2.0, "bytes": [99]}]}]}
+
+
+def test_host_modules_import_no_jax_or_aiohttp():
+    code = ("import sys, serving.protocol, serving.detokenizer, serving.metrics; "
+            "bad = [m for m in ('jax', 'aiohttp') if m in sys.modules]; "
+            "assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+# -- fake engine -----------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = "hello world the quick brown fox jumps over lazy dog 你好 🙂 café".split()
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(8)) for i in range(100)]
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator(corpus, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                 clean_up_tokenization_spaces=False)
+    hf.chat_template = TEMPLATE
+    return hf
+
+
+@dataclass
+class Stats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.25
+    num_preemptions_total: int = 0
+
+
+class FakeEngine:
+    """Outputs the prompt ids reversed, one token per update, detokenized with stop strings
+    like the real engine. Records every request and every abort."""
+
+    def __init__(self, tokenizer, max_model_len=64):
+        self.tokenizer, self.max_model_len, self.ready = tokenizer, max_model_len, True
+        self.requests, self.aborted, self.finished = [], [], []
+        self.stats_ = Stats()
+        self.block_after = None  # stop producing after this many tokens, until aborted
+        self.fail_after = None  # yield an engine error after this many tokens
+        self.aborted_event = asyncio.Event()
+
+    def stats(self):
+        return self.stats_
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def generate(self, prompt_token_ids, params, request_id):
+        if params.max_tokens > 1000:
+            raise ValueError("the scheduler refuses this request")
+        self.requests.append((request_id, list(prompt_token_ids), params))
+        out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output)
+        done, ids, logprobs = False, [], []
+        try:
+            for k, tid in enumerate(out_ids):
+                if k == self.block_after:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(0)
+                if k == self.fail_after:
+                    done = True
+                    yield RequestOutput(request_id, prompt_token_ids, ids, finished=True,
+                                        finish_reason="error", error="device on fire")
+                    return
+                ids.append(tid)
+                new_text, stop = detok.add([tid])
+                last = stop is not None or k == len(out_ids) - 1
+                if last and stop is None:
+                    new_text += detok.flush()
+                new_lp = None
+                if params.logprobs is not None:
+                    top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
+                    new_lp = [TokenLogprob(tid, -0.5, top)]
+                    logprobs += new_lp
+                done = last
+                yield RequestOutput(request_id, prompt_token_ids, list(ids), detok.text,
+                                    [tid], new_text, logprobs if new_lp else None, new_lp,
+                                    finished=last, finish_reason=("stop" if stop else "length")
+                                    if last else None, stop_reason=stop)
+                if last:
+                    return
+        finally:
+            if done:
+                self.finished.append(request_id)
+            else:
+                self.abort(request_id)
+                self.aborted_event.set()
+
+
+@pytest.fixture
+def engine(tokenizer):
+    return FakeEngine(tokenizer)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@asynccontextmanager
+async def serve(engine, **kwargs):
+    app = build_app(engine, served_model_name=MODEL, **kwargs)
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+def reversed_text(tokenizer, text, n):
+    ids = tokenizer.encode(text)
+    return tokenizer.decode(list(reversed(ids))[:n], skip_special_tokens=True)
+
+
+async def sse_events(resp):
+    """Parses an SSE body strictly: only `data: ...` events separated by blank lines."""
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    raw = (await resp.read()).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+# -- server ------------------------------------------------------------------------------
+
+def test_completions_non_stream(engine, tokenizer):
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": ["hello world", "the fox"], "max_tokens": 4, "n": 2,
+                "seed": 7, "temperature": 0.5})
+            assert r.status == 200
+            body = await r.json()
+            assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+            assert body["model"] == MODEL and isinstance(body["created"], int)
+            texts = [reversed_text(tokenizer, t, 4) for t in ("hello world", "the fox")]
+            assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+            assert [c["text"] for c in body["choices"]] == [texts[0]] * 2 + [texts[1]] * 2
+            assert all(c["finish_reason"] == "length" for c in body["choices"])
+            n_prompt = [len(tokenizer.encode(t)) for t in ("hello world", "the fox")]
+            assert body["usage"] == p.usage(sum(n_prompt), sum(min(4, n) * 2 for n in n_prompt))
+            seeds = [params.seed for _, _, params in engine.requests]
+            assert seeds == [7, 8, 7, 8] and all(prm.n == 1 for _, _, prm in engine.requests)
+            assert len({rid for rid, _, _ in engine.requests}) == 4
+    run(go())
+
+
+def test_completions_token_prompt_echo_and_stop(engine, tokenizer):
+    async def go():
+        async with serve(engine) as client:
+            ids = tokenizer.encode("the quick brown fox")
+            r = await client.post("/v1/completions", json={"prompt": ids, "echo": True,
+                                                           "max_tokens": 50})
+            body = await r.json()
+            expected = tokenizer.decode(ids) + reversed_text(tokenizer, "the quick brown fox", 50)
+            assert body["choices"][0]["text"] == expected
+            full = reversed_text(tokenizer, "the quick brown fox", 50)
+            stop = full[3:6]
+            r = await client.post("/v1/completions", json={"prompt": "the quick brown fox",
+                                                           "stop": [stop], "max_tokens": 50})
+            choice = (await r.json())["choices"][0]
+            assert choice["text"] == full[:full.index(stop)]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    run(go())
+
+
+def test_completions_stream_with_usage_and_logprobs(engine, tokenizer):
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={
+                "prompt": "hello 你好 🙂", "max_tokens": 20, "stream": True, "logprobs": 2,
+                "stream_options": {"include_usage": True}})
+            events = await sse_events(r)
+            *chunks, last = events
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+            assert all(c["usage"] is None and c["object"] == "text_completion" for c in chunks)
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            assert text == reversed_text(tokenizer, "hello 你好 🙂", 20)
+            assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+            assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+            tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+            assert len(tokens) == last["usage"]["completion_tokens"]
+            lp = chunks[0]["choices"][0]["logprobs"]
+            assert lp["token_logprobs"] == [-0.5] and len(lp["top_logprobs"][0]) <= 2
+            assert lp["text_offset"] == [0]
+    run(go())
+
+
+def test_chat_stream_n2(engine, tokenizer):
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "the lazy dog"}],
+                "n": 2, "stream": True, "max_completion_tokens": 6})
+            events = await sse_events(r)
+            assert all(e["object"] == "chat.completion.chunk" for e in events)
+            assert len({e["id"] for e in events}) == 1
+            for index in (0, 1):
+                mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+                assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+                assert mine[-1]["finish_reason"] == "length"
+                assert all(c["finish_reason"] is None for c in mine[:-1])
+                text = "".join(c["delta"].get("content", "") for c in mine)
+                prompt = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "the lazy dog"}], tokenize=False,
+                    add_generation_prompt=True)
+                ids = tokenizer.encode(prompt, add_special_tokens=False)
+                assert text == tokenizer.decode(ids[::-1][:6], skip_special_tokens=True)
+    run(go())
+
+
+def test_chat_non_stream_logprobs(engine, tokenizer):
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "system", "content": "s"},
+                             {"role": "user", "content": [{"type": "text", "text": "café"}]}],
+                "logprobs": True, "top_logprobs": 3, "max_tokens": 3})
+            body = await r.json()
+            assert r.status == 200 and body["object"] == "chat.completion"
+            choice = body["choices"][0]
+            assert choice["message"]["role"] == "assistant"
+            content = choice["logprobs"]["content"]
+            assert len(content) == 3 == body["usage"]["completion_tokens"]
+            for item in content:
+                assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+                assert len(item["top_logprobs"]) == 3 and item["logprob"] == -0.5
+                assert item["top_logprobs"][0]["token"] == item["token"]
+                assert item["token"].startswith("bytes:") or \
+                    bytes(item["bytes"]).decode() == item["token"]
+    run(go())
+
+
+def test_openai_client(engine, tokenizer):
+    openai = pytest.importorskip("openai")
+
+    async def go():
+        async with serve(engine, api_key="sk-test") as client:
+            base = str(client.make_url("/v1"))
+            oc = openai.AsyncOpenAI(base_url=base, api_key="sk-test")
+            stream = await oc.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello world"}],
+                max_tokens=5, stream=True, stream_options={"include_usage": True})
+            parts, usage = [], None
+            async for chunk in stream:
+                if chunk.usage:
+                    usage = chunk.usage
+                parts += [c.delta.content or "" for c in chunk.choices]
+            assert usage.completion_tokens == 5 and "".join(parts)
+            done = await oc.completions.create(model=MODEL, prompt="the fox", max_tokens=3)
+            assert done.choices[0].text == reversed_text(tokenizer, "the fox", 3)
+            models = await oc.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+            bad = openai.AsyncOpenAI(base_url=base, api_key="wrong")
+            with pytest.raises(openai.AuthenticationError):
+                await bad.models.list()
+            with pytest.raises(openai.NotFoundError) as info:
+                await oc.completions.create(model="other", prompt="x")
+            assert info.value.body["code"] == "model_not_found"
+            await oc.close()
+            await bad.close()
+    run(go())
+
+
+async def _error(r, status, param=None, code=None):
+    assert r.status == status, await r.text()
+    body = await r.json()
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and (code is None or err["code"] == code)
+    return err
+
+
+def test_error_envelopes(engine):
+    async def go():
+        async with serve(engine, max_body_bytes=4096) as client:
+            post = client.post
+            await _error(await post("/v1/completions", data=b"{nope"), 400)
+            await _error(await post("/v1/completions", data=b"\xff\xfe"), 400)
+            await _error(await post("/v1/completions", data=b"[1]"), 400)
+            await _error(await post("/v1/completions", data=b"[" * 100000), 413)
+            await _error(await post("/v1/completions", data=b"[" * 2000 + b"]" * 2000), 400)
+            await _error(await post("/v1/chat/completions", json={"messages": "x"}), 400,
+                         "messages")
+            await _error(await post("/v1/completions", json={"prompt": "x", "n": "2"}), 400, "n")
+            e = await _error(await post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
+                             404, "model", "model_not_found")
+            assert e["type"] == "not_found_error"
+            await _error(await post("/v1/completions", json={"prompt": "x" * 100}), 400,
+                         "prompt", "context_length_exceeded")
+            await _error(await post("/v1/completions", json={"prompt": "x", "max_tokens": 64}),
+                         400, "max_tokens", "context_length_exceeded")
+            await _error(await post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 60}),
+                400, "max_completion_tokens", "context_length_exceeded")
+            await _error(await post("/v1/completions", json={"prompt": [99999]}), 400, "prompt")
+            await _error(await post("/v1/completions", json={"prompt": "", "max_tokens": 1}),
+                         400, "prompt")
+            await _error(await post("/v1/completions",
+                                    json={"prompt": "x", "logit_bias": {"99999": 1}}),
+                         400, "logit_bias")
+            await _error(await client.get("/v1/nothing"), 404)
+            await _error(await client.get("/v1/completions"), 405)
+            await _error(await client.get("/v1/models/other"), 404, "model")
+    run(go())
+
+
+def test_engine_refusal_and_failures(engine):
+    async def go():
+        engine.max_model_len = 10 ** 6  # let max_tokens through to the engine's refusal
+        async with serve(engine) as client:
+            await _error(await client.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 5000}), 400)
+            await _error(await client.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 5000, "stream": True}), 400)
+            engine.fail_after = 2
+            e = await _error(await client.post("/v1/completions", json={
+                "prompt": "hello world hello", "max_tokens": 8}), 500)
+            assert e["type"] == "server_error" and "device on fire" in e["message"]
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hello world"}], "stream": True,
+                "max_tokens": 8})
+            events = await sse_events(r)
+            assert "device on fire" in events[-1]["error"]["message"]
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            engine.fail_after = None
+
+            def boom():
+                raise RuntimeError("stats exploded")
+            engine.stats = boom
+            e = await _error(await client.get("/metrics"), 500)
+            assert e["type"] == "server_error"
+            r = await client.get("/health")  # still serving
+            assert r.status == 200
+    run(go())
+
+
+def test_auth_readiness_queue_and_health(engine):
+    async def go():
+        async with serve(engine, api_key="secret", max_queued_requests=2) as client:
+            body = {"prompt": "hi", "max_tokens": 1}
+            e = await _error(await client.post("/v1/completions", json=body), 401,
+                             code="invalid_api_key")
+            assert e["type"] == "authentication_error"
+            await _error(await client.get("/v1/models", headers={"Authorization": "Bearer x"}),
+                         401)
+            await _error(await client.get("/metrics"), 401)
+            auth = {"Authorization": "Bearer secret"}
+            assert (await client.post("/v1/completions", json=body, headers=auth)).status == 200
+            engine.ready = False
+            assert (await client.get("/health")).status == 503  # no key needed
+            await _error(await client.post("/v1/completions", json=body, headers=auth), 503,
+                         code="not_ready")
+            engine.ready = True
+            assert (await client.get("/health")).status == 200
+            engine.stats_.num_waiting = 2
+            await _error(await client.post("/v1/chat/completions", headers=auth, json={
+                "messages": [{"role": "user", "content": "x"}]}), 503, code="queue_full")
+    run(go())
+
+
+def test_models_tokenize_detokenize_metrics(engine, tokenizer):
+    async def go():
+        async with serve(engine) as client:
+            models = await (await client.get("/v1/models")).json()
+            assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+            assert models["data"][0]["object"] == "model"
+            r = await (await client.post("/tokenize", json={"prompt": "hello 🙂"})).json()
+            assert r == {"tokens": tokenizer.encode("hello 🙂"), "count": len(r["tokens"]),
+                         "max_model_len": 64}
+            msgs = [{"role": "user", "content": "hi"}]
+            r = await (await client.post("/tokenize", json={"messages": msgs})).json()
+            assert tokenizer.decode(r["tokens"]).startswith("<|im_start|>user\nhi")
+            r = await (await client.post("/detokenize", json={"tokens": r["tokens"]})).json()
+            assert r["prompt"].endswith("<|im_start|>assistant\n")
+            await _error(await client.post("/detokenize", json={"tokens": [1, "a"]}), 400,
+                         "tokens")
+            await _error(await client.post("/tokenize", json={"prompt": 5}), 400, "prompt")
+
+            before = await (await client.get("/metrics")).text()
+            assert 'xlaserve:generation_tokens_total{model_name="tiny-test"} 0.0' in before
+            await client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
+            engine.stats_ = Stats(3, 1, 0.5, 4)
+            r = await client.get("/metrics")
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = await r.text()
+            for line in ['xlaserve:generation_tokens_total{model_name="tiny-test"} 2.0',
+                         'xlaserve:num_requests_running{model_name="tiny-test"} 3.0',
+                         'xlaserve:num_requests_waiting{model_name="tiny-test"} 1.0',
+                         'xlaserve:kv_cache_usage_perc{model_name="tiny-test"} 0.5',
+                         'xlaserve:num_preemptions_total{model_name="tiny-test"} 4.0',
+                         'xlaserve:request_success_total{finished_reason="length",'
+                         'model_name="tiny-test"} 1.0',
+                         'xlaserve:time_to_first_token_seconds_count{model_name="tiny-test"} 1.0',
+                         'xlaserve:inter_token_latency_seconds_count{model_name="tiny-test"} 1.0',
+                         'xlaserve:e2e_request_latency_seconds_count{model_name="tiny-test"} 1.0',
+                         'xlaserve:prompt_tokens_total{model_name="tiny-test"} ']:
+                assert line in text, line
+            assert "xlaserve:request_queue_time_seconds" in text
+    run(go())
+
+
+def test_stream_disconnect_aborts(engine):
+    async def go():
+        engine.block_after = 3
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={
+                "prompt": "hello world the quick brown fox", "max_tokens": 20, "stream": True})
+            first = await r.content.readuntil(b"\n\n")
+            assert first.startswith(b"data: ")
+            r.close()  # the client goes away mid-stream
+            await asyncio.wait_for(engine.aborted_event.wait(), 5)
+            assert engine.aborted == [engine.requests[0][0]]
+    run(go())
+
+
+def test_non_stream_disconnect_aborts_all_choices(engine):
+    async def go():
+        engine.block_after = 1
+        async with serve(engine) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": "hello world", "max_tokens": 5, "n": 3}))
+            while len(engine.requests) < 3:
+                await asyncio.sleep(0.01)
+            task.cancel()  # closes the connection
+            for _ in range(500):
+                if len(engine.aborted) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(engine.aborted) == sorted(rid for rid, _, _ in engine.requests)
+    run(go())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_run_server_drains_then_aborts_after_grace(engine, capsys):
+    async def go():
+        port = _free_port()
+        stop = asyncio.Event()
+        engine.block_after = 2
+        server = asyncio.create_task(run_server(engine, "127.0.0.1", port,
+                                                served_model_name=MODEL, grace_period_s=0.5,
+                                                stop_event=stop))
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            await _wait_healthy(session, url)
+            resp = await session.post(url + "/v1/completions", json={
+                "prompt": "hello world the fox", "max_tokens": 9, "stream": True})
+            await resp.content.readuntil(b"\n\n")
+            stop.set()
+            await asyncio.wait_for(server, 10)  # grace expired: the blocked request aborted
+            assert engine.aborted
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await session.get(url + "/health")
+        assert f"127.0.0.1:{port}" in capsys.readouterr().out
+    run(go())
+
+
+def test_sigterm_lets_in_flight_requests_finish(engine, tokenizer):
+    async def go():
+        port = _free_port()
+        entered, gate = asyncio.Event(), asyncio.Event()
+        real_generate = engine.generate
+
+        async def held_generate(ids, params, rid):
+            entered.set()
+            await gate.wait()  # hold the request until SIGTERM has been delivered
+            async for out in real_generate(ids, params, rid):
+                yield out
+        engine.generate = held_generate
+        server = asyncio.create_task(run_server(engine, "127.0.0.1", port,
+                                                served_model_name=MODEL, grace_period_s=10))
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            await _wait_healthy(session, url)
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # ours, not default
+            pending = asyncio.create_task(session.post(url + "/v1/completions", json={
+                "prompt": "hello world", "max_tokens": 4}))
+            await asyncio.wait_for(entered.wait(), 5)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            assert not server.done()  # draining, not gone
+            async with aiohttp.ClientSession() as other:  # a new connection: not accepted
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await other.get(url + "/health")
+            gate.set()
+            resp = await pending
+            assert resp.status == 200
+            body = await resp.json()
+            assert body["choices"][0]["text"] == reversed_text(tokenizer, "hello world", 4)
+            await asyncio.wait_for(server, 10)
+            assert engine.aborted == []
+    run(go())
+
+
+async def _wait_healthy(session, url):
+    for _ in range(250):
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.02)
+    raise AssertionError("server did not come up")
+
+
+def test_token_texts(tokenizer):
+    from serving.sse import TokenTexts
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode("héllo 你好 🙂", add_special_tokens=False)
+    raw = b"".join(bytes(texts.get(i)[1]) for i in ids)
+    assert raw.decode() == "héllo 你好 🙂"
+    partial = [texts.get(i)[0] for i in ids if texts.get(i)[0].startswith("bytes:")]
+    assert partial and all("\\x" in t for t in partial)  # split characters, OpenAI style
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert texts.get(special) == ("<|im_end|>", list(b"<|im_end|>"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_without_handler_cancellation(engine, stream):
+    # Another runner than ours may not cancel handlers when a client goes away; the
+    # server must still notice while the engine produces nothing.
+    async def go():
+        engine.block_after = 1
+        runner = aiohttp.web.AppRunner(build_app(engine, served_model_name=MODEL),
+                                       handler_cancellation=False)
+        await runner.setup()
+        port = _free_port()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                task = asyncio.create_task(session.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"prompt": "hello world", "max_tokens": 5, "stream": stream}))
+                while not engine.requests:
+                    await asyncio.sleep(0.01)
+                if stream:
+                    resp = await task
+                    await resp.content.readuntil(b"\n\n")
+                    resp.close()
+                else:
+                    task.cancel()
+                await asyncio.wait_for(engine.aborted_event.wait(), 5)
+                assert engine.aborted == [engine.requests[0][0]]
+        finally:
+            await runner.cleanup()
+    run(go())
