@@ -154,6 +154,9 @@ class LLMEngine:
 
     def _output(self, st: _State, result: StepResult, row: int) -> RequestOutput:
         req = st.request
+        queue_time = None
+        if st.num_emitted == 0 and req.first_scheduled_time is not None:
+            queue_time = req.first_scheduled_time - req.arrival_time
         new_ids = req.output_token_ids[st.num_emitted:]
         st.num_emitted = len(req.output_token_ids)
         new_text, stop = st.detokenizer.add(new_ids)
@@ -172,7 +175,8 @@ class LLMEngine:
             del self._states[req.request_id]
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                              st.text, new_ids, new_text, st.logprobs, new_logprobs,
-                             req.is_finished, req.finish_reason, req.stop_reason)
+                             req.is_finished, req.finish_reason, req.stop_reason,
+                             queue_time=queue_time)
 
 
 def load_tokenizer(model_dir: Path):

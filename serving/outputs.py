@@ -28,3 +28,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first scheduled, on the first update

@@ -25,11 +25,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def demo_model_dir():
-    return demo.fetch_demo_model(demo.cache_dir() / "test-demo" / "SmolLM2-135M-Instruct")
-
-
 @pytest.fixture(scope="module")
 def gguf_file(demo_model_dir):
     return demo.demo_gguf_path()

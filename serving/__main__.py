@@ -1,0 +1,5 @@
+import sys
+
+from serving.cli import main
+
+sys.exit(main())
