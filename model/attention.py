@@ -9,6 +9,16 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention_referen
 BACKENDS = ("reference",)
 
 
+def resolve_backend(name: str) -> str:
+    """'auto' -> the best backend for the default device; other names are checked."""
+    if name == "auto":
+        return "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, "
+                         + ", ".join(BACKENDS))
+    return name
+
+
 def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
                     backend: str = "reference"):
     """q: [T, H, D] -> [T, H, D], attending over `cache` (already holding this step's K/V)."""

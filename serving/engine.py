@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 
+from model.attention import resolve_backend
 from model.checkpoint import load_model, param_bytes
 from model.kv_cache import bytes_per_page
 from serving import sizing
@@ -28,7 +29,6 @@ from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("xlaserve")
-ATTENTION_BACKENDS = ("auto", "reference")
 
 
 @dataclass
@@ -53,9 +53,7 @@ class LLMEngine:
         ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
         if ec.compilation_cache_dir:
             enable_compilation_cache(ec.compilation_cache_dir)
-        if ec.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention backend {ec.attention_backend!r}; choose one of "
-                             + ", ".join(ATTENTION_BACKENDS))
+        self.attention_backend = resolve_backend(ec.attention_backend)
         self.model_dir = sizing.resolve_model_dir(ec.model)
         self.cfg, params = load_model(self.model_dir, ec.dtype, progress=ec.progress)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -73,7 +71,8 @@ class LLMEngine:
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages))
         self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
-                                  page_size=ec.page_size, attention_backend="reference")
+                                  page_size=ec.page_size,
+                                  attention_backend=self.attention_backend)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self._states: dict[str, _State] = {}
         self._pending = _Pending()
@@ -89,7 +88,7 @@ class LLMEngine:
         return (f"model {self.model_dir} ({self.cfg.architecture}, {self.cfg.dtype}), "
                 f"weights {self.weight_bytes / 2**20:.0f} MiB, KV cache "
                 f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
-                f"{self.config.page_size} tokens; max_model_len {self.max_model_len}; buckets: "
+                f"{self.config.page_size} tokens; attention {self.attention_backend}; max_model_len {self.max_model_len}; buckets: "
                 f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
                 f"-> {len(self.step_shapes)} programs")
 
