@@ -14,6 +14,7 @@ def default_cache_root() -> Path:
 class EngineConfig:
     model: str | None = None  # checkpoint or HF folder; None: the demo model
     dtype: str | None = None  # weights and activations; None: the checkpoint's
+    load_format: str = "auto"  # "dummy": random weights from config.json (for benchmarks)
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's, capped at 2048
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 512

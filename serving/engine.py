@@ -17,6 +17,8 @@ import jax
 
 from model.attention import resolve_backend
 from model.checkpoint import load_model, param_bytes
+from model.config import ModelConfig
+from model.transformer import init_params
 from model.kv_cache import bytes_per_page
 from serving import sizing
 from serving.config import EngineConfig
@@ -34,7 +36,7 @@ log = logging.getLogger("xlaserve")
 @dataclass
 class _State:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     logprobs: list[TokenLogprob] | None
     num_emitted: int = 0
     text: str = ""
@@ -55,7 +57,7 @@ class LLMEngine:
             enable_compilation_cache(ec.compilation_cache_dir)
         self.attention_backend = resolve_backend(ec.attention_backend)
         self.model_dir = sizing.resolve_model_dir(ec.model)
-        self.cfg, params = load_model(self.model_dir, ec.dtype, progress=ec.progress)
+        self.cfg, params = _load_weights(self.model_dir, ec)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
@@ -105,8 +107,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
         self.scheduler.add_request(req)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
-                                       params.include_stop_str_in_output)
+        detok = self.tokenizer and IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
         self._states[request_id] = _State(req, detok, [] if params.logprobs is not None else None)
 
     def abort(self, request_id: str) -> None:
@@ -158,10 +160,10 @@ class LLMEngine:
             queue_time = req.first_scheduled_time - req.arrival_time
         new_ids = req.output_token_ids[st.num_emitted:]
         st.num_emitted = len(req.output_token_ids)
-        new_text, stop = st.detokenizer.add(new_ids)
+        new_text, stop = st.detokenizer.add(new_ids) if st.detokenizer else ("", None)
         if stop is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        elif req.is_finished:
+        elif req.is_finished and st.detokenizer:
             new_text += st.detokenizer.flush()
         st.text += new_text
         new_logprobs = None
@@ -178,8 +180,22 @@ class LLMEngine:
                              queue_time=queue_time)
 
 
+def _load_weights(model_dir: Path, ec: EngineConfig):
+    if ec.load_format == "dummy":
+        cfg = ModelConfig.from_dir(model_dir, ec.dtype)
+        return cfg, init_params(cfg, ec.seed)
+    if ec.load_format != "auto":
+        raise ValueError(f"unknown load_format {ec.load_format!r}; choose auto or dummy")
+    return load_model(model_dir, ec.dtype, progress=ec.progress)
+
+
 def load_tokenizer(model_dir: Path):
+    """The folder's tokenizer; None for a bare config folder (dummy weights): outputs then
+    carry token ids and no text."""
     from transformers import AutoTokenizer
+    if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                          "vocab.json")):
+        return None
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
@@ -190,6 +206,6 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
         if path.is_file():
             eos = json.loads(path.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
