@@ -9,7 +9,7 @@ ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
 
 find_python() {
   local c
-  for c in python3.13 python3.12 python3; do
+  for c in python3.12 python3 python3.13; do  # 3.12 first: the GPU machine runs it
     if command -v "$c" >/dev/null && ok "$(command -v "$c")"; then command -v "$c"; return; fi
   done
   local root="${PYENV_ROOT:-$HOME/.pyenv}"
