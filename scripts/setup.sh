@@ -13,7 +13,8 @@ find_python() {
     if command -v "$c" >/dev/null && ok "$(command -v "$c")"; then command -v "$c"; return; fi
   done
   local root="${PYENV_ROOT:-$HOME/.pyenv}"
-  for c in $(ls -d "$root"/versions/3.* 2>/dev/null | sort -V -r); do
+  # 3.12 first (what the GPU machine runs), then the newest.
+  for c in $(ls -d "$root"/versions/3.12.* 2>/dev/null; ls -d "$root"/versions/3.* 2>/dev/null | sort -V -r); do
     if [ -x "$c/bin/python3" ] && ok "$c/bin/python3"; then echo "$c/bin/python3"; return; fi
   done
   echo "no Python >= 3.12 found on PATH or in pyenv; install one" >&2
