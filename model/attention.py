@@ -1,29 +1,51 @@
 """The single attention dispatch point: every layer's attention over the paged cache goes here.
 
-Model code never picks a backend; `backend` comes from the engine's configuration.
+Model code never picks a backend; `backend` comes from the engine's configuration:
+- "reference": pure jnp (pallas_kernels.ragged_paged_attention), any device.
+- "pallas": the ragged paged-attention Pallas kernel (Triton lowering); compiled on a GPU,
+  run by the Pallas interpreter elsewhere (slow: for tests).
 """
 from __future__ import annotations
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+import jax
 
-BACKENDS = ("reference",)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention
+
+BACKENDS = ("reference", "pallas")
+
+# None: interpret the Pallas kernels unless the default backend is a GPU. Tests that
+# cross-lower for CUDA on a CPU host set it to False.
+PALLAS_INTERPRET: bool | None = None
 
 
 def resolve_backend(name: str) -> str:
     """'auto' -> the best backend for the default device; other names are checked."""
     if name == "auto":
-        return "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, "
                          + ", ".join(BACKENDS))
     return name
 
 
+def pallas_interpret() -> bool:
+    if PALLAS_INTERPRET is not None:
+        return PALLAS_INTERPRET
+    return jax.default_backend() != "gpu"
+
+
 def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
                     backend: str = "reference"):
-    """q: [T, H, D] -> [T, H, D], attending over `cache` (already holding this step's K/V)."""
+    """q: [T, H, D] -> [T, H, D], attending over `cache` (already holding this step's K/V).
+
+    A cache with `k_scale` / `v_scale` (float32[L, P, page_size, K]) holds quantized K/V.
+    """
+    args = (q, cache.k, cache.v, layer, batch.positions, batch.req_indices, batch.page_table,
+            sliding_window, scale, getattr(cache, "k_scale", None),
+            getattr(cache, "v_scale", None))
     if backend == "reference":
-        return ragged_paged_attention_reference(
-            q, cache.k, cache.v, layer, batch.positions, batch.req_indices, batch.page_table,
-            sliding_window, scale)
+        return ragged_paged_attention_reference(*args)
+    if backend == "pallas":
+        return ragged_paged_attention(*args, interpret=pallas_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

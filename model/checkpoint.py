@@ -19,6 +19,8 @@ import orbax.checkpoint as ocp
 
 from model.config import ModelConfig
 from model.hf_weights import abstract_params, load_hf_params, np_dtype
+from quant.array import QuantArray
+from quant.recipe import Recipe, abstract_quantized, from_metadata, quantize_params
 
 METADATA = "xlaserve.json"
 FORMAT_VERSION = 1
@@ -40,9 +42,11 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def convert_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
-               progress: bool = True) -> dict:
+               progress: bool = True, quantize: str | None = None) -> dict:
     """HF folder -> checkpoint folder. Writes into a temporary sibling, renamed at the end,
-    so a failure never leaves a folder that looks valid. Returns the metadata."""
+    so a failure never leaves a folder that looks valid. Returns the metadata.
+    quantize: a recipe spec ("int8", "fp8", see quant/recipe.py), stored in the metadata."""
+    recipe = Recipe.parse(quantize) if quantize else None
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"model folder {hf_dir} does not exist")
@@ -51,6 +55,10 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None
     cfg = ModelConfig.from_dir(hf_dir, dtype)
     started = time.perf_counter()
     params = load_hf_params(hf_dir, cfg, progress)
+    bf16_bytes = 2 * sum(a.size for a in jax.tree.leaves(params))  # to compare sizes with
+    if recipe:
+        params = quantize_params(params, recipe)
+    weight_bytes = param_bytes(params)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -62,7 +70,9 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None
             if (hf_dir / name).is_file():
                 shutil.copy2(hf_dir / name, tmp / name)
         meta = {"format": "xlaserve", "version": FORMAT_VERSION, "source": str(hf_dir.resolve()),
-                "dtype": cfg.dtype, "quantization": "none", "model_config": cfg.to_dict(),
+                "dtype": cfg.dtype, "quantization": recipe.to_dict() if recipe else "none",
+                "weight_bytes": weight_bytes, "bf16_bytes": bf16_bytes,
+                "model_config": cfg.to_dict(),
                 "convert_seconds": round(time.perf_counter() - started, 2)}
         (tmp / METADATA).write_text(json.dumps(meta, indent=2))
         if out_dir.exists():
@@ -74,30 +84,47 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None
     return meta
 
 
-def load_model(path: str | Path, dtype: str | None = None, progress: bool = True):
-    """Model folder (checkpoint or HF) -> (ModelConfig, params on the default device)."""
+def load_model(path: str | Path, dtype: str | None = None, progress: bool = True,
+               quantize: str | None = None):
+    """Model folder (checkpoint or HF) -> (ModelConfig, params on the default device).
+
+    quantize: a recipe spec to quantize an unquantized model with as it loads. A quantized
+    checkpoint loads as stored (quantize, if given, must name its recipe)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model folder {path} does not exist")
     if not is_checkpoint(path):
         cfg = ModelConfig.from_dir(path, dtype)
         params = load_hf_params(path, cfg, progress)
+        if quantize:
+            params = quantize_params(params, quantize)
         return cfg, jax.tree.map(jax.numpy.asarray, params)
     meta = read_metadata(path)
     if meta.get("format") != "xlaserve" or meta.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path / METADATA} is not an xlaserve checkpoint of version "
                               f"{FORMAT_VERSION}")
     stored = ModelConfig.from_dict(meta["model_config"])
+    recipe = from_metadata(meta.get("quantization"))
+    if quantize and recipe and recipe != Recipe.parse(quantize):
+        raise CheckpointError(f"{path} is already quantized ({recipe.spec}); load it without "
+                              f"quantize={quantize!r}, or convert the original again")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np_dtype(stored.dtype)),
+                            abstract_params(stored))
+    if recipe:
+        abstract = abstract_quantized(abstract, recipe)
     # With a sharding, orbax restores straight into device arrays rather than numpy.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, np_dtype(stored.dtype), sharding=device),
-        abstract_params(stored))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            abstract)
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore((path / "params").resolve(), abstract)
+    if quantize and not recipe:  # from the stored precision, before any dtype change
+        params = quantize_params(params, quantize)
     cfg = stored.with_dtype(dtype) if dtype else stored
-    if cfg.dtype != stored.dtype:
-        params = jax.tree.map(lambda a: a.astype(np_dtype(cfg.dtype)), params)
+    if cfg.dtype != stored.dtype:  # quantized weights stay as they are
+        params = jax.tree.map(
+            lambda a: a if isinstance(a, QuantArray) else a.astype(np_dtype(cfg.dtype)),
+            params, is_leaf=lambda a: isinstance(a, QuantArray))
     return cfg, params
 
 

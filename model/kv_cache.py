@@ -1,13 +1,31 @@
-"""The paged KV cache: K and V pages for every layer, and how new keys are written into it."""
+"""The paged KV cache: K and V pages for every layer, and how new keys are written into it.
+
+K and V may be stored as int8 or float8_e4m3fn (`kv_cache_dtype`), each (token, kv head)
+vector with its own float32 absmax scale in `k_scale` / `v_scale`: real value = stored * scale.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from model.config import ModelConfig
+from quant.array import quantize
+
+# kv_cache_dtype -> storage dtype; "auto" (or None) stores K/V in the model's dtype.
+QUANTIZED_KV = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV)
+
+
+def kv_storage_dtype(cfg: ModelConfig, kv_cache_dtype=None):
+    """(storage dtype, quantized?) of a cache of kv_cache_dtype (None / "auto": cfg.dtype)."""
+    if kv_cache_dtype in (None, "auto"):
+        return jnp.dtype(cfg.dtype), False
+    if kv_cache_dtype in QUANTIZED_KV:
+        return jnp.dtype(QUANTIZED_KV[kv_cache_dtype]), True
+    dtype = jnp.dtype(kv_cache_dtype)
+    return dtype, dtype in (jnp.dtype(d) for d in QUANTIZED_KV.values())
 
 
 @jax.tree_util.register_dataclass
@@ -15,6 +33,8 @@ from model.config import ModelConfig
 class KVCache:
     k: jax.Array  # [L, P, page_size, K, D]
     v: jax.Array  # [L, P, page_size, K, D]
+    k_scale: jax.Array | None = None  # float32[L, P, page_size, K] when k/v are int8 / fp8
+    v_scale: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -30,14 +50,20 @@ class KVCache:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> "KVCache":
+        """dtype: a kv_cache_dtype ("auto", "int8", "fp8") or a dtype; None: cfg.dtype."""
         shape = cls.shape(cfg, num_pages, page_size)
-        dtype = dtype or cfg.dtype
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        dtype, quantized = kv_storage_dtype(cfg, dtype)
+        if not quantized:
+            return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
 
 
 def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None) -> int:
-    itemsize = np.dtype(jnp.dtype(dtype or cfg.dtype)).itemsize
-    return 2 * cfg.num_layers * page_size * cfg.kv_size * itemsize
+    """K and V bytes of one page over all layers, scales included. dtype as in zeros."""
+    dtype, quantized = kv_storage_dtype(cfg, dtype)
+    scale_bytes = cfg.num_kv_heads * 4 if quantized else 0
+    return 2 * cfg.num_layers * page_size * (cfg.kv_size * dtype.itemsize + scale_bytes)
 
 
 def write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
@@ -47,5 +73,17 @@ def write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     """
     page_size = cache.page_size
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    if cache.k_scale is not None:
+        return _write_quantized(cache, layer, pages, offsets, k, v)
     return KVCache(cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype)),
                    cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype)))
+
+
+def _write_quantized(cache: KVCache, layer, pages, offsets, k, v) -> KVCache:
+    """One absmax scale per (token, kv head) vector of D values."""
+    kq = quantize(k, cache.k.dtype, axes=(-1,))
+    vq = quantize(v, cache.v.dtype, axes=(-1,))
+    at = (layer, pages, offsets)
+    return KVCache(cache.k.at[at].set(kq.values), cache.v.at[at].set(vq.values),
+                   cache.k_scale.at[at].set(kq.scale[..., 0]),
+                   cache.v_scale.at[at].set(vq.scale[..., 0]))

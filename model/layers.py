@@ -8,13 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from quant import ops as quant_ops
 
 init = nn.initializers.normal(0.02)
 
 
 def matmul(x, w):
-    """x: [..., in] @ w: [in, out] in x's dtype. The one place weights meet activations."""
-    return x @ w.astype(x.dtype)
+    """x: [..., in] @ w: [in, out] in x's dtype. The one place weights meet activations;
+    w may be a QuantArray (int8 / fp8), see quant/ops.py."""
+    return quant_ops.matmul(x, w)
+
+
+def embed(table, ids, dtype):
+    """Rows `ids` of the embedding table (plain or a QuantArray) in `dtype`."""
+    return quant_ops.take(table, ids, dtype)
 
 
 class Linear(nn.Module):

@@ -14,7 +14,7 @@ from model.attention import paged_attention
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
-from model.layers import MLP, Linear, RMSNorm, apply_rope, matmul, rope_inv_freq
+from model.layers import MLP, Linear, RMSNorm, apply_rope, embed, matmul, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -69,7 +69,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         embedding = self.param("embed", nn.initializers.normal(0.02),
                                (cfg.vocab_size, cfg.hidden_size), cfg.dtype)
-        x = embedding[batch.input_ids].astype(cfg.dtype)
+        x = embed(embedding, batch.input_ids, cfg.dtype)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(0, 0, nn.broadcast), length=cfg.num_layers)
         windows = jnp.asarray(cfg.sliding_windows or (0,) * cfg.num_layers, jnp.int32)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, layer, positions, req_indices,
-                                     page_table, sliding_window, scale: float):
+                                     page_table, sliding_window, scale: float,
+                                     k_scale=None, v_scale=None):
     """Attention for every query token, gathering each token's pages.
 
     Args:
@@ -21,17 +22,22 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, layer, positions, req_
       req_indices: int32[T] row of `page_table` each token belongs to.
       page_table: int32[B, pages_per_req] page ids of each request, in sequence order.
       sliding_window: int32 scalar, 0 for full attention.
+      k_scale, v_scale: optional float32[L, P, page_size, K]: the cache holds quantized values
+        (int8 / float8_e4m3fn) and each (token, KV head) row means value * scale.
     Returns:
       [T, H, D] in q's dtype.
     """
     T, H, D = q.shape
     K = k_cache.shape[3]
     pages = page_table[req_indices]  # [T, pages_per_req]
-    k = k_cache[layer, pages].reshape(T, -1, K, D)  # [T, S, K, D]
-    v = v_cache[layer, pages].reshape(T, -1, K, D)
+    k = k_cache[layer, pages].reshape(T, -1, K, D).astype(jnp.float32)  # [T, S, K, D]
+    v = v_cache[layer, pages].reshape(T, -1, K, D).astype(jnp.float32)
+    if k_scale is not None:
+        k = k * k_scale[layer, pages].reshape(T, -1, K, 1)
+        v = v * v_scale[layer, pages].reshape(T, -1, K, 1)
     S = k.shape[1]
     qg = q.reshape(T, K, H // K, D).astype(jnp.float32)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, k.astype(jnp.float32),
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, k,
                         precision=jax.lax.Precision.HIGHEST) * scale
     key_pos = jnp.arange(S)[None, :]
     visible = key_pos <= positions[:, None]
@@ -39,6 +45,6 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, layer, positions, req_
     visible &= key_pos >= window_start
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgs,tskd->tkgd", probs, v.astype(jnp.float32),
+    out = jnp.einsum("tkgs,tskd->tkgd", probs, v,
                      precision=jax.lax.Precision.HIGHEST)
     return out.reshape(T, H, D).astype(q.dtype)

@@ -100,6 +100,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # the loop itself broke: report unhealthy, end every stream
+            log.error("engine loop died: %s\n%s", e, traceback.format_exc())
+            self.ready = False
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine loop died: {e}"))
+
+    def _run(self) -> None:
         while True:
             with self._wake:
                 while not self._stopped and not self._commands and not self.engine.has_unfinished:
@@ -108,7 +117,10 @@ class AsyncEngine:
                     return
                 commands, self._commands = self._commands, deque()
             for fn, args in commands:
-                fn(*args)
+                try:
+                    fn(*args)
+                except Exception as e:
+                    log.error("engine command %s failed: %s", fn.__name__, e)
             if not self.engine.has_unfinished:
                 continue
             try:

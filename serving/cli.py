@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
+import os
 import sys
+import threading
 import time
+import traceback
 
 from serving.config import EngineConfig
 
@@ -22,8 +26,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV cache size: bytes, or a fraction (<= 1) of free device memory")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantize", default=None, metavar="int8|fp8",
+                   help="quantize an unquantized model's weights as it loads: int8 (per "
+                        "channel), fp8 (per tensor, fp8 GEMM) or a recipe such as "
+                        "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="KV cache storage: the model's dtype, or int8 / fp8 with scales")
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
+    for name, what in (("token", "tokens per step"), ("request", "requests per step"),
+                       ("page", "pages per request")):
+        p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
+                       help=f"compiled {what} (default: powers of two up to the maximum)")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
 def _engine_config(args) -> EngineConfig:
@@ -31,7 +52,9 @@ def _engine_config(args) -> EngineConfig:
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
-                  seed=args.seed)
+                  quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                  seed=args.seed, token_buckets=args.token_buckets,
+                  request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return EngineConfig(**kwargs)
@@ -54,14 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Libraries that log pages of INFO while a checkpoint loads (orbax logs through absl) or
+# while JAX looks for backends; their warnings still show.
+_NOISY_LOGGERS = ("absl", "orbax", "jax", "etils")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv=None) -> int:
+    started = time.perf_counter()  # "ready in" counts importing JAX and loading the model
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve", "warmup", "-h", "--help"):
         argv.insert(0, "serve")  # `python -m serving --model DIR` serves
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _setup_logging()
     from serving.engine import LLMEngine
-    started = time.perf_counter()
     try:
         engine = LLMEngine(_engine_config(args))
     except (ValueError, OSError) as e:
@@ -85,13 +119,68 @@ async def _serve(engine, args, started: float) -> int:
         async_engine, args.host, args.port, served_model_name=name, api_key=args.api_key,
         max_queued_requests=args.max_queued_requests, grace_period_s=args.grace_period))
     # /health answers 503 while the programs compile; warm-up runs off the event loop.
-    await asyncio.to_thread(async_engine.start)
-    print(f"xlaserve: ready in {time.perf_counter() - started:.1f} s", flush=True)
+    warm = _start_in_background(async_engine)
     try:
+        await asyncio.wait({server, warm}, return_when=asyncio.FIRST_COMPLETED)
+        if not warm.done():  # SIGTERM during warm-up, or the server could not start
+            _exit_during_warmup(server)
+        warm.result()
+        # Everything loaded so far lives until exit: keep it out of the collector's way
+        # (full collections over JAX, transformers and friends stall the event loop for
+        # seconds, and the last one delays exit), as vLLM does.
+        gc.collect()
+        gc.freeze()
+        print(f"xlaserve: ready in {time.perf_counter() - started:.1f} s", flush=True)
         await server
     finally:
+        if not server.done():  # warm-up failed: stop listening before the error shows
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
         async_engine.shutdown()
     return 0
+
+
+def _exit_during_warmup(server: asyncio.Task) -> None:
+    """The compiler cannot be interrupted, and interpreter shutdown while a thread is still
+    inside XLA aborts the process: report, then leave without waiting for it."""
+    code = 0
+    try:
+        server.result()
+        print("xlaserve: stopped before warm-up finished", flush=True)
+    except OSError as e:  # e.g. the port is taken
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except BaseException:  # noqa: BLE001 - anything else: show it, then leave
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _start_in_background(async_engine) -> asyncio.Future:
+    """Warm-up in a daemon thread (not asyncio.to_thread): a SIGTERM during warm-up must not
+    wait for the compiler to finish before the process can exit."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def resolve(error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(None)
+
+    def target() -> None:
+        error = None
+        try:
+            async_engine.start()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the event loop
+            error = e
+        try:
+            loop.call_soon_threadsafe(resolve, error)
+        except RuntimeError:
+            pass  # the loop is gone: the server stopped during warm-up
+
+    threading.Thread(target=target, name="xlaserve-warmup", daemon=True).start()
+    return done
 
 
 if __name__ == "__main__":

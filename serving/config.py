@@ -23,6 +23,10 @@ class EngineConfig:
     # of what the weights leave, on CPU enough for max_num_seqs full sequences, at most 4 GiB.
     kv_cache_memory: float | None = None
     attention_backend: str = "auto"
+    # Weights: None keeps the checkpoint's (a quantized checkpoint loads quantized); "int8",
+    # "fp8" or a recipe spec (quant/recipe.py) quantizes an unquantized model as it loads.
+    quantize: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8", with scales
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None

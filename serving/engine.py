@@ -19,7 +19,8 @@ from model.attention import resolve_backend
 from model.checkpoint import load_model, param_bytes
 from model.config import ModelConfig
 from model.transformer import init_params
-from model.kv_cache import bytes_per_page
+from model.kv_cache import KV_CACHE_DTYPES, bytes_per_page
+from quant.recipe import Recipe, describe as describe_quantization, quantize_params
 from serving import sizing
 from serving.config import EngineConfig
 from serving.detokenizer import IncrementalDetokenizer
@@ -56,6 +57,11 @@ class LLMEngine:
         if ec.compilation_cache_dir:
             enable_compilation_cache(ec.compilation_cache_dir)
         self.attention_backend = resolve_backend(ec.attention_backend)
+        if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
+                             + ", ".join(KV_CACHE_DTYPES))
+        if ec.quantize:
+            Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
         self.model_dir = sizing.resolve_model_dir(ec.model)
         self.cfg, params = _load_weights(self.model_dir, ec)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -63,9 +69,10 @@ class LLMEngine:
         self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
-        self.weight_bytes = param_bytes(params)
+        self.weight_bytes = param_bytes(params)  # quantized: values + scales
+        self.quantization = describe_quantization(params)
         on_gpu = jax.default_backend() == "gpu"
-        page_bytes = bytes_per_page(self.cfg, ec.page_size)
+        page_bytes = bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
         self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, self.weight_bytes,
                                           device_memory_bytes(), on_gpu)
         self.kv_cache_bytes = self.num_pages * page_bytes
@@ -74,7 +81,8 @@ class LLMEngine:
             self.num_pages))
         self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
                                   page_size=ec.page_size,
-                                  attention_backend=self.attention_backend)
+                                  attention_backend=self.attention_backend,
+                                  kv_cache_dtype=ec.kv_cache_dtype)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self._states: dict[str, _State] = {}
         self._pending = _Pending()
@@ -88,7 +96,8 @@ class LLMEngine:
     def describe(self) -> str:
         b = self.buckets
         return (f"model {self.model_dir} ({self.cfg.architecture}, {self.cfg.dtype}), "
-                f"weights {self.weight_bytes / 2**20:.0f} MiB, KV cache "
+                f"weights {self.weight_bytes / 2**20:.0f} MiB ({self.quantization}), "
+                f"KV cache {self.config.kv_cache_dtype} "
                 f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
                 f"{self.config.page_size} tokens; attention {self.attention_backend}; max_model_len {self.max_model_len}; buckets: "
                 f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
@@ -163,6 +172,11 @@ class LLMEngine:
         new_text, stop = st.detokenizer.add(new_ids) if st.detokenizer else ("", None)
         if stop is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        elif stop is not None:
+            # The token that completed the stop string also hit max_tokens (or EOS): the text
+            # ends at the stop string, so report that, as vLLM does.
+            req.status, req.finish_reason, req.stop_reason = (
+                RequestStatus.FINISHED_STOPPED, "stop", stop)
         elif req.is_finished and st.detokenizer:
             new_text += st.detokenizer.flush()
         st.text += new_text
@@ -183,19 +197,24 @@ class LLMEngine:
 def _load_weights(model_dir: Path, ec: EngineConfig):
     if ec.load_format == "dummy":
         cfg = ModelConfig.from_dir(model_dir, ec.dtype)
-        return cfg, init_params(cfg, ec.seed)
+        params = init_params(cfg, ec.seed)
+        return cfg, quantize_params(params, ec.quantize) if ec.quantize else params
     if ec.load_format != "auto":
         raise ValueError(f"unknown load_format {ec.load_format!r}; choose auto or dummy")
-    return load_model(model_dir, ec.dtype, progress=ec.progress)
+    return load_model(model_dir, ec.dtype, progress=ec.progress, quantize=ec.quantize)
 
 
 def load_tokenizer(model_dir: Path):
     """The folder's tokenizer; None for a bare config folder (dummy weights): outputs then
     carry token ids and no text."""
-    from transformers import AutoTokenizer
-    if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
-                                                          "vocab.json")):
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        # The fast tokenizer class directly: AutoTokenizer would import torch (seconds).
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    if not any((model_dir / f).is_file() for f in ("tokenizer.model", "vocab.json")):
         return None
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 

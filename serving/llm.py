@@ -51,15 +51,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         results, ids = [], {}
-        for prompt, p in zip(prompts, params):
-            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            result = CompletionResult(tokens, [None] * p.n)
-            for i, sample_params in enumerate(_per_sample(p)):
-                self._counter += 1
-                request_id = f"offline-{self._counter}"
-                self.engine.add_request(request_id, tokens, sample_params)
-                ids[request_id] = (result, i)
-            results.append(result)
+        try:
+            for prompt, p in zip(prompts, params):
+                tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                result = CompletionResult(tokens, [None] * p.n)
+                for i, sample_params in enumerate(_per_sample(p)):
+                    self._counter += 1
+                    request_id = f"offline-{self._counter}"
+                    self.engine.add_request(request_id, tokens, sample_params)
+                    ids[request_id] = (result, i)
+                results.append(result)
+        except BaseException:
+            # A refused prompt refuses the whole call: withdraw the ones already queued, or
+            # they would run (and surface) in the next generate().
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 if out.finished:

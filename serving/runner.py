@@ -36,10 +36,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-                 attention_backend: str = "reference"):
+                 attention_backend: str = "reference", kv_cache_dtype: str | None = None):
         self.cfg = cfg
         self.params = params
-        self.cache = KVCache.zeros(cfg, num_pages, page_size)
+        self.cache = KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype)
         self.backend = attention_backend
         self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
                                donate_argnums=(1,))

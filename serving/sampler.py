@@ -71,7 +71,9 @@ def apply_filters(logits, s: SamplingInputs):
     probs = jax.nn.softmax(vals / temp, axis=-1)
     rank = jnp.arange(V)[None, :]
     k = jnp.where(s.top_k > 0, s.top_k, V)[:, None]
-    keep = (rank < k) & (jnp.cumsum(probs, -1) - probs < s.top_p[:, None])
+    # top_p == 1 must keep everything: a float32 cumsum reaches 1.0 before the tail does.
+    keep = (rank < k) & ((jnp.cumsum(probs, -1) - probs < s.top_p[:, None])
+                         | (s.top_p[:, None] >= 1.0))
     keep &= probs >= s.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)
     threshold = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)

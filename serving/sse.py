@@ -57,13 +57,15 @@ class OutputStream:
     async def _pump(self, choice: Choice) -> None:
         tracker = self._metrics.track(len(choice.prompt_ids), self._arrival)
         gen = None
+        queue_time = None  # the engine reports it on the request's first update only
         try:
             gen = self._engine.generate(choice.prompt_ids, choice.params, choice.request_id)
             async for out in gen:
+                if queue_time is None:
+                    queue_time = getattr(out, "queue_time", None)
                 tracker.on_output(len(out.new_token_ids))
                 if out.finished:
-                    # queue_time: read if the engine ever reports it; RequestOutput lacks it now
-                    tracker.on_finish(out.finish_reason, getattr(out, "queue_time", None))
+                    tracker.on_finish(out.finish_reason, queue_time)
                 self._queue.put_nowait((choice, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which decides
             if tracker.last is None:

@@ -1,0 +1,61 @@
+"""The two places a weight meets activations, for plain or quantized weights: matmul and
+embedding lookup. Each quantized form is written in the shape XLA:GPU knows how to fuse.
+
+- int8 or fp8, per output channel (weight-only, W8A16): `x @ convert(values)` accumulated in
+  float32, then times the channel scales. The widening convert is what XLA's Triton GEMM
+  fusion can absorb, and the scale is an epilogue multiply on [T, out], not on the weight.
+- fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
+  scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
+  the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).
+  Elsewhere the same numbers come out of an ordinary dot. The activation scale spans every
+  token of the call, so a token's result can depend (slightly) on the others in its batch.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from quant.array import QuantArray, cast_scaled, dequantize, scale_for
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def matmul(x, w):
+    """x: [..., in] @ w: [in, out] (an array or a QuantArray) -> [..., out] in x's dtype."""
+    if not isinstance(w, QuantArray):
+        return x @ w.astype(x.dtype)
+    if w.scale.shape[-2] != 1 or w.ndim != 2:
+        raise ValueError(f"a quantized [in, out] weight needs per-output-channel or per-tensor "
+                         f"scales; got values {w.shape}, scale {w.scale.shape}")
+    if w.per_tensor and jnp.dtype(w.values.dtype) == FP8:
+        return fp8_matmul(x, w)
+    y = jnp.matmul(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * w.scale[0]).astype(x.dtype)
+
+
+def quantize_activations(x):
+    """x: float[..., in] -> (fp8 values, float32 scalar power-of-two scale)."""
+    scale = scale_for(jnp.max(jnp.abs(x)).astype(jnp.float32), FP8)
+    return cast_scaled(x, scale, FP8), scale
+
+
+def fp8_matmul(x, w: QuantArray):
+    """W8A8 fp8 with per-tensor scales, in the pattern of XLA's cuBLASLt fp8 GEMM rewrite."""
+    xq, xs = quantize_activations(x)
+    a = xq.astype(x.dtype) * xs.astype(x.dtype)  # powers of two: exact in x's dtype
+    b = w.values.astype(x.dtype) * w.scale.reshape(()).astype(x.dtype)
+    return a @ b
+
+
+def take(table, ids, dtype):
+    """Rows `ids` of an embedding table [V, H] (an array or a QuantArray) -> [len(ids), H]."""
+    if not isinstance(table, QuantArray):
+        return table[ids].astype(dtype)
+    scale = table.scale if table.scale.shape[0] == 1 else table.scale[ids]
+    return (table.values[ids].astype(jnp.float32) * scale).astype(dtype)
+
+
+def dequantize_tree(params, dtype=jnp.float32):
+    """Every QuantArray in a tree replaced by its dequantized array."""
+    return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QuantArray) else a,
+                        params, is_leaf=lambda a: isinstance(a, QuantArray))

@@ -1,0 +1,161 @@
+"""Recipes: which weights are quantized, to what, at which granularity; and applying one to a
+parameter tree. A recipe is recorded in the checkpoint's metadata (never in file names).
+
+Spec strings (the `--quantize` flag, `LLM(quantize=...)`): a scheme, then optional
+comma-separated options after a colon:
+
+    int8                  every linear layer int8, per output channel (weight-only, W8A16)
+    fp8                   every linear layer fp8 e4m3fn, per tensor, activations fp8 at run
+                          time (W8A8): the pattern XLA:GPU turns into a cuBLASLt fp8 GEMM
+    fp8:channel           fp8 weights per output channel, weight-only (no fp8 GEMM; the
+                          convert fuses into the dot like int8's)
+    int8:embed,lm_head    also the embedding table and the output head
+
+The embedding and head are left in the model's dtype by default. When named, they are
+quantized per row (= per output channel of the head), weight-only, whatever the layers'
+granularity. With tied embeddings they are one table: naming either quantizes it for both.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+
+SCHEMES = ("int8", "fp8")
+GRANULARITIES = ("channel", "tensor")
+DEFAULT_GRANULARITY = {"int8": "channel", "fp8": "tensor"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    scheme: str  # "int8" | "fp8"
+    granularity: str  # "channel" | "tensor"
+    embed: bool = False
+    lm_head: bool = False
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization scheme {self.scheme!r}; choose one of "
+                             + ", ".join(SCHEMES))
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"unknown granularity {self.granularity!r}; choose one of "
+                             + ", ".join(GRANULARITIES))
+
+    @property
+    def activations(self) -> str:
+        """fp8 per tensor quantizes activations too (the fp8 GEMM needs both sides in fp8)."""
+        return "fp8" if (self.scheme, self.granularity) == ("fp8", "tensor") else "none"
+
+    @classmethod
+    def parse(cls, spec: "str | Recipe") -> "Recipe":
+        if isinstance(spec, Recipe):
+            return spec
+        scheme, _, opts = str(spec).strip().partition(":")
+        options = {o.strip() for o in opts.split(",") if o.strip()}
+        unknown = options - {*GRANULARITIES, "embed", "lm_head"}
+        if unknown:
+            raise ValueError(f"unknown quantization option(s) {sorted(unknown)} in {spec!r}; "
+                             "options: channel, tensor, embed, lm_head")
+        gran = [g for g in GRANULARITIES if g in options]
+        if len(gran) > 1:
+            raise ValueError(f"{spec!r} names both granularities")
+        granularity = gran[0] if gran else DEFAULT_GRANULARITY.get(scheme, "channel")
+        return cls(scheme, granularity, "embed" in options, "lm_head" in options)
+
+    @property
+    def spec(self) -> str:
+        opts = [o for o, on in (("embed", self.embed), ("lm_head", self.lm_head)) if on]
+        if self.granularity != DEFAULT_GRANULARITY[self.scheme]:
+            opts.insert(0, self.granularity)
+        return self.scheme + (":" + ",".join(opts) if opts else "")
+
+    def to_dict(self) -> dict:
+        """The checkpoint metadata's "quantization" entry."""
+        return {**asdict(self), "activations": self.activations}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        return cls(d["scheme"], d["granularity"], bool(d.get("embed")), bool(d.get("lm_head")))
+
+
+def from_metadata(quantization) -> Recipe | None:
+    """The metadata's "quantization" entry ("none" or a recipe dict) -> Recipe or None."""
+    if quantization in (None, "none"):
+        return None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"unreadable quantization entry {quantization!r}")
+    return Recipe.from_dict(quantization)
+
+
+def _axes(path: tuple[str, ...], recipe: Recipe, tied: bool):
+    """The axes one scale covers for the weight at `path`, or None to leave it alone."""
+    tensor = recipe.granularity == "tensor"
+    if path[-1] == "kernel" and path[0] == "layers":
+        return (-2, -1) if tensor else (-2,)
+    # The embedding and the head are always per row (= per output channel), weight-only: a
+    # lookup wants per-row scales, and the logits gain nothing from the fp8 GEMM's per-tensor
+    # form (SmolLM2-135M, tied table: perplexity +0.5% as int8, +5.0% as fp8 per row, +5.5%
+    # as fp8 per tensor with fp8 activations).
+    if path == ("lm_head", "kernel") and recipe.lm_head:
+        return (-2,)
+    if path == ("embed",) and (recipe.embed or (tied and recipe.lm_head)):
+        return (-1,)  # per row = per output channel of the tied head
+    return None
+
+
+def quantize_params(params: dict, recipe: "Recipe | str") -> dict:
+    """A parameter tree (of the model in model/) with the recipe's weights as QuantArrays.
+
+    Works on concrete arrays (numpy or jax) and, under `jax.eval_shape`, on abstract ones.
+    Each weight is quantized by its own jitted program, so peak memory is one weight more.
+    """
+    import jax
+
+    from quant.array import QuantArray, storage_dtype
+    recipe = Recipe.parse(recipe)
+    dtype = storage_dtype(recipe.scheme)
+    tied = "lm_head" not in params
+
+    def one(path, leaf):
+        if isinstance(leaf, QuantArray):
+            raise ValueError("these parameters are already quantized")
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        axes = _axes(names, recipe, tied)
+        if axes is None:
+            return leaf
+        return _quantize_jit(dtype, axes)(leaf)
+
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda a: isinstance(a, QuantArray))
+
+
+_JITTED = {}
+
+
+def _quantize_jit(dtype, axes):
+    import jax
+
+    from quant.array import quantize
+    key = (str(dtype), axes)
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(partial(quantize, dtype=dtype, axes=axes))
+    return _JITTED[key]
+
+
+def abstract_quantized(abstract: dict, recipe: "Recipe | str") -> dict:
+    """ShapeDtypeStruct tree -> the same with the recipe's weights as QuantArrays of structs."""
+    import jax
+    return jax.eval_shape(partial(quantize_params, recipe=recipe), abstract)
+
+
+def describe(params) -> str:
+    """'not quantized', or e.g. 'int8 per channel, 7 of 11 tensors': what a tree holds."""
+    import jax
+
+    from quant.array import QuantArray
+    leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantArray))
+    quantized = [a for a in leaves if isinstance(a, QuantArray)]
+    if not quantized:
+        return "not quantized"
+    schemes = sorted({f"{a.scheme} per {'tensor' if a.per_tensor else 'channel'}"
+                      for a in quantized})
+    return f"{' + '.join(schemes)}, {len(quantized)} of {len(leaves)} tensors"

@@ -1,0 +1,464 @@
+"""Side by side on this machine: our server, llama.cpp's llama-server and a Hugging Face
+transformers baseline, the same demo model and the same requests, one server at a time.
+
+    python scripts/bench_side_by_side.py [--levels 1:4,16:16,64:64] [--only ours,llama.cpp,hf]
+
+Each level is CONCURRENCY:NUM_PROMPTS; every level sends the first NUM_PROMPTS of one seeded
+random dataset (fixed --input-len / --output-len, ignore_eos, greedy) to /v1/completions with
+scripts/bench_serving.py. Writes the table between the markers in docs/benchmarks.md (the rest
+of the file is kept), docs/benchmarks.png and docs/benchmarks.json. It is a benchmark, not a test.
+
+llama-server is built once (CPU, Release) from the llama.cpp sources inside the llama-cpp-python
+sdist on PyPI, into ~/.cache/xlaserve/llama.cpp (outside the repository). The HF baseline is
+`python scripts/bench_side_by_side.py hf-server --model DIR --port P`: a minimal OpenAI
+streaming server over transformers `generate` with static batches (requests that arrive while
+a batch runs wait for the next one).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_serving as bs  # noqa: E402
+
+LLAMA_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xlaserve" / "llama.cpp"
+BEGIN, END = "<!-- side-by-side:begin -->", "<!-- side-by-side:end -->"
+SERVERS = ("ours", "llama.cpp", "hf")
+
+
+# -- llama.cpp -----------------------------------------------------------------------------------
+
+def ensure_llama_server(cache: Path = LLAMA_CACHE, jobs: int = 2) -> Path:
+    """The llama-server binary, built from the llama-cpp-python sdist's vendored llama.cpp."""
+    binary = cache / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    src = cache / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    if not list(src.glob("llama_cpp_python-*.tar.gz")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "llama-cpp-python", "-d", str(src)], check=True)
+    sdist = sorted(src.glob("llama_cpp_python-*.tar.gz"))[-1]
+    tree = src / sdist.name.removesuffix(".tar.gz")
+    if not tree.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src, filter="data")
+    llama = tree / "vendor" / "llama.cpp"
+    started = time.perf_counter()
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # No curl/openssl (no downloads at run time), no web UI (its prebuilt assets are fetched
+    # from the network), static, only the server target.
+    subprocess.run(["cmake", "-S", str(llama), "-B", str(cache / "build"), *gen,
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(cache / "build"), "--target", "llama-server",
+                    f"-j{jobs}"], check=True)
+    print(f"llama-server: built in {time.perf_counter() - started:.0f} s -> {binary}")
+    return binary
+
+
+# -- server processes ----------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server subprocess on a loopback port: started, waited on (/health 200), stopped."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env=None):
+        self.name, self.cmd, self.port = name, cmd, port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Server":
+        print(f"[{self.name}] {shlex.join(self.cmd)}  (log: {self.log_path})", flush=True)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=ROOT)
+        return self
+
+    def wait_healthy(self, timeout: float) -> float:
+        started = time.perf_counter()
+        while time.perf_counter() - started < timeout:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text()[-3000:]
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - started
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def server_command(name: str, args, port: int | str, hf_dir: Path) -> list[str]:
+    max_len = args.input_len + args.output_len + 16
+    if name == "ours":
+        return [sys.executable, "-m", "serving", "serve", "--port", str(port),
+                "--max-num-seqs", str(args.slots), *shlex.split(args.ours_args)]
+    if name == "llama.cpp":
+        from model.demo import demo_gguf_path
+        return [str(ensure_llama_server()), "-m", str(demo_gguf_path()), "--host", "127.0.0.1",
+                "--port", str(port), "--parallel", str(args.slots), "-c", str(args.slots * max_len),
+                "-t", str(args.threads), "-tb", str(args.threads), *shlex.split(args.llama_args)]
+    return [sys.executable, str(Path(__file__).resolve()), "hf-server", "--model", str(hf_dir),
+            "--port", str(port), "--max-batch", str(args.slots), "--threads", str(args.threads)]
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def parse_levels(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        conc, _, n = item.partition(":")
+        out.append((int(conc), int(n or max(8, 2 * int(conc)))))
+    return out
+
+
+def run_server(name: str, args, levels, requests, hf_dir: Path, log_dir: Path) -> list[dict]:
+    port = free_port()
+    results = []
+    with Server(name, server_command(name, args, port, hf_dir), port, log_dir) as server:
+        ready = server.wait_healthy(args.start_timeout)
+        print(f"[{name}] healthy after {ready:.0f} s", flush=True)
+        model = asyncio.run(bs.first_model(server.base_url))
+        for conc, n in levels:
+            print(f"\n[{name}] concurrency {conc}, {n} prompts", flush=True)
+            r = asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model,
+                                             requests[:n], max_concurrency=conc,
+                                             seed=args.seed, num_warmups=1))
+            for key in ("input_lens", "output_lens", "ttfts", "itls"):
+                r.pop(key)
+            r |= {"server": name, "sweep_value": conc, "startup_s": ready}
+            results.append(r)
+    return results
+
+
+def _ms(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def render_section(results: list[dict], meta: dict) -> str:
+    by = {(r["server"], r["sweep_value"]): r for r in results}
+    levels = sorted({r["sweep_value"] for r in results})
+    servers = [s for s in SERVERS if any(r["server"] == s for r in results)]
+    lines = [BEGIN, "", f"Run {meta['date']} on {meta['machine']}; "
+             f"commit {meta['commit']}; {meta['workload']}.", "",
+             "| streams | prompts | server | output tok/s | median TTFT (ms) | median TPOT (ms) "
+             "| p99 ITL (ms) | failed |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for conc in levels:
+        for s in servers:
+            if (r := by.get((s, conc))):
+                lines.append(f"| {conc} | {r['num_prompts']} | {s} | {r['output_throughput']:.1f} "
+                             f"| {_ms(r['median_ttft_ms'])} | {_ms(r['median_tpot_ms'])} "
+                             f"| {_ms(r['p99_itl_ms'])} | {r['failed']} |")
+    if "ours" in servers and "llama.cpp" in servers:
+        lines += ["", "Ratios, ours / llama.cpp (issue 7's goal in brackets):", "",
+                  "| streams | output tok/s | median TTFT | median TPOT |", "|---:|---:|---:|---:|"]
+        goals = {1: ("", "", " [<= 1.5]"), 16: (" [>= 2]", " [< 1]", ""), 64: (" [>= 3]", "", "")}
+        for conc in levels:
+            a, b = by.get(("ours", conc)), by.get(("llama.cpp", conc))
+            if a and b:
+                g = goals.get(conc, ("", "", ""))
+                lines.append(
+                    f"| {conc} | {a['output_throughput'] / b['output_throughput']:.2f}{g[0]} "
+                    f"| {a['median_ttft_ms'] / b['median_ttft_ms']:.2f}{g[1]} "
+                    f"| {a['median_tpot_ms'] / b['median_tpot_ms']:.2f}{g[2]} |")
+    lines += ["", "Server start-up to healthy (s): " + ", ".join(
+        f"{s} {next(r['startup_s'] for r in results if r['server'] == s):.0f}" for s in servers),
+        "", "Commands:", ""] + [f"- {s}: `{meta['commands'][s]}`" for s in servers]
+    lines += ["", "![output tok/s against median TPOT and TTFT](benchmarks.png)", "", END]
+    return "\n".join(lines)
+
+
+DOC_HEAD = """# Benchmarks
+
+Serving throughput and latency of xlaserve on the machine we have, against llama.cpp's
+`llama-server` and a Hugging Face transformers baseline, with the demo model
+(SmolLM2-135M-Instruct).
+
+## How we measure
+
+`scripts/bench_serving.py` is a load client for any OpenAI-compatible server. It streams every
+request with `stream_options.include_usage` and reports what vLLM's `bench serve` reports, with
+its definitions:
+
+- **TTFT**: send to the first streamed chunk with a non-empty `choices` list.
+- **TPOT**: per request, (E2E latency - TTFT) / (output tokens - 1); E2E ends at the last content
+  chunk. Reported over requests with more than one output token.
+- **ITL**: the gaps between consecutive content chunks (one sample per chunk, so a server that
+  sends several tokens per chunk shows fewer, larger gaps).
+- **Output tok/s**: output tokens / duration, where the duration runs from the first request
+  sent to the last one finished. Output tokens come from `usage.completion_tokens`.
+
+`scripts/bench_side_by_side.py` starts each server in turn on a loopback port, waits for
+`/health`, and sends every server the same seeded requests: random token prompts
+that re-tokenize to exactly the prompt length, a fixed number of output tokens with
+`ignore_eos`, greedy, `/v1/completions`, a fixed number of streams in flight
+(`--max-concurrency`). The servers:
+
+- **ours**: `xlaserve serve` on the converted demo checkpoint (float32 unless told otherwise).
+- **llama.cpp**: `llama-server` built from the llama.cpp sources in the `llama-cpp-python` sdist
+  (CPU, Release, `-march=native`), built once into `~/.cache/xlaserve/llama.cpp/`, running the demo
+  GGUF (Q4_1) with 64 slots, a context of slots x (prompt + output + 16) tokens and 2 threads.
+- **hf**: transformers `generate` (float32, CPU torch, 2 threads) behind a minimal streaming
+  server inside the script, with static batches of up to 64: a request that arrives while a
+  batch runs waits for the next batch.
+
+Regenerate with `python scripts/bench_side_by_side.py` (it rewrites only the part between the
+markers below; `--levels 1:4,16:16` picks the points; `--only ours,llama.cpp` runs only
+those servers, and the table then shows only them).
+This machine is shared: other jobs were running during the run (see the load average), so
+compare the servers within one run, as ratios, not across runs.
+
+## Side by side: ours, llama.cpp, transformers
+
+"""
+
+
+DOC_TAIL = """
+## Changes (issue 7)
+
+Each change to the serving path with its measured effect, before and after, from
+side-by-side runs (same levels, same machine).
+
+| change | streams | output tok/s before -> after | median TTFT before -> after | median TPOT before -> after |
+|---|---:|---:|---:|---:|
+"""
+
+
+def update_doc(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else DOC_HEAD + BEGIN + "\n" + END + "\n" + DOC_TAIL
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores visible (load average {os.getloadavg()[0]:.1f} at start)"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--levels", default="1:4,16:16,64:64", help="CONCURRENCY:PROMPTS,...")
+    p.add_argument("--only", default=",".join(SERVERS), help="servers to run, comma-separated")
+    p.add_argument("--input-len", type=int, default=130)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slots", type=int, default=64, help="max sequences / slots / batch per server")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
+    p.add_argument("--ours-args", default="", help="extra flags for `xlaserve serve`")
+    p.add_argument("--llama-args", default="", help="extra flags for llama-server")
+    p.add_argument("--start-timeout", type=float, default=1800.0)
+    p.add_argument("--docs", default=str(ROOT / "docs"))
+    args = p.parse_args(argv)
+
+    from model.demo import cache_dir, fetch_demo_model
+    hf_dir = fetch_demo_model(cache_dir() / "demo" / "SmolLM2-135M-Instruct-hf")
+    levels = parse_levels(args.levels)
+    requests = bs.random_dataset(max(n for _, n in levels), args.input_len, args.output_len,
+                                 args.seed, bs.load_tokenizer(str(hf_dir)))
+    docs = Path(args.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    log_dir = LLAMA_CACHE.parent / "bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    names = [s for s in SERVERS if s in args.only.split(",")]
+    if "llama.cpp" in names:
+        ensure_llama_server()
+    meta = {"date": datetime.date.today().isoformat(), "machine": machine(),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                     capture_output=True, text=True).stdout.strip() or "?",
+            "workload": f"random prompts of {args.input_len} tokens, {args.output_len} output "
+                        f"tokens (ignore_eos, greedy), /v1/completions, seed {args.seed}",
+            "commands": {s: shlex.join(server_command(s, args, "PORT", hf_dir)).replace(
+                str(Path.home()), "~").replace(str(ROOT) + "/", "") for s in names}}
+    results = []
+    for name in names:
+        results += run_server(name, args, levels, requests, hf_dir, log_dir)
+    json.dump({"meta": meta, "results": results}, open(docs / "benchmarks.json", "w"), indent=1)
+    series = {s: [r for r in results if r["server"] == s] for s in names}
+    bs.plot_sweep(series, str(docs / "benchmarks.png"), label_key="sweep_value",
+                  title=f"demo model, {meta['workload'].split(',')[0]}; labels: streams")
+    section = render_section(results, meta)
+    update_doc(docs / "benchmarks.md", section)
+    print("\n" + section)
+    return 0
+
+
+# -- the transformers baseline server -----------------------------------------------------------
+
+class _BatchStreamer:
+    """A transformers streamer for a batch: generate() calls put() with the prompt ids, then with
+    each step's new token per row; every row's new text goes to its request's asyncio queue."""
+
+    def __init__(self, jobs, tokenizer, loop):
+        self.jobs, self.tok, self.loop = jobs, tokenizer, loop
+        self.ids = [[] for _ in jobs]
+        self.sent = ["" for _ in jobs]
+        self.done = [False for _ in jobs]
+        self.prompt_seen = False
+
+    def _emit(self, i: int, text: str, finish: str | None) -> None:
+        self.loop.call_soon_threadsafe(self.jobs[i]["queue"].put_nowait, (text, finish))
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for i, token in enumerate(value.reshape(-1).tolist()):
+            job = self.jobs[i]
+            if self.done[i]:
+                continue
+            if token in job["eos"] and not job["ignore_eos"]:
+                self.done[i] = True
+                self._emit(i, "", "stop")
+                continue
+            self.ids[i].append(token)
+            text = self.tok.decode(self.ids[i], skip_special_tokens=True)
+            new = "" if text.endswith("\ufffd") else text[len(self.sent[i]):]
+            self.sent[i] += new
+            self.done[i] = len(self.ids[i]) >= job["max_tokens"]
+            self._emit(i, new, "length" if self.done[i] else None)
+
+    def end(self) -> None:
+        for i, done in enumerate(self.done):
+            if not done:
+                self._emit(i, "", "length")
+
+
+def hf_app(model_dir: str, max_batch: int):
+    import torch
+    from aiohttp import web
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = set(model.generation_config.eos_token_id if isinstance(
+        model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    pending: asyncio.Queue = asyncio.Queue()
+    name = Path(model_dir).name
+
+    def generate(jobs, loop) -> None:
+        enc = tok([j["prompt"] for j in jobs], return_tensors="pt", padding=True)
+        new = max(j["max_tokens"] for j in jobs)
+        extra = {"min_new_tokens": new} if all(j["ignore_eos"] for j in jobs) else {}
+        streamer = _BatchStreamer(jobs, tok, loop)
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=pad,
+                           streamer=streamer, **extra)
+
+    async def batcher(app):
+        async def loop_forever():
+            while True:
+                jobs = [await pending.get()]
+                while len(jobs) < max_batch and not pending.empty():
+                    jobs.append(pending.get_nowait())
+                try:
+                    await asyncio.to_thread(generate, jobs, asyncio.get_running_loop())
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                    for j in jobs:
+                        j["queue"].put_nowait((f"[error: {e}]", "error"))
+        task = asyncio.create_task(loop_forever())
+        yield
+        task.cancel()
+
+    async def completions(request):
+        body = await request.json()
+        prompt = body["prompt"]
+        job = {"prompt": prompt, "max_tokens": int(body.get("max_tokens", 16)),
+               "ignore_eos": bool(body.get("ignore_eos")), "eos": eos, "queue": asyncio.Queue()}
+        await pending.put(job)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        created, count = int(time.time()), 0
+        while True:
+            text, finish = await job["queue"].get()
+            count += finish != "stop"
+            chunk = {"id": "cmpl-hf", "object": "text_completion", "created": created,
+                     "model": name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if finish:
+                break
+        if (body.get("stream_options") or {}).get("include_usage"):
+            n_in = len(tok(prompt)["input_ids"])
+            usage = {"prompt_tokens": n_in, "completion_tokens": count,
+                     "total_tokens": n_in + count}
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.cleanup_ctx.append(batcher)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def hf_server_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="bench_side_by_side.py hf-server")
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    import torch
+    from aiohttp import web
+    torch.set_num_threads(args.threads)
+    web.run_app(hf_app(args.model, args.max_batch), host="127.0.0.1", port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "hf-server":
+        sys.exit(hf_server_main(sys.argv[2:]))
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""prepare(): hand-made SchedulerOutputs -> the padded arrays a step sends to the device."""
+import random
+
+import numpy as np
+import pytest
+
+from serving.buckets import Buckets
+from serving.input_prep import SINK_SLOT, all_step_shapes, padding_step, prepare, step_shape
+from serving.request import Request
+from serving.sampling_params import SamplingParams
+from serving.scheduler import ScheduledRequest, SchedulerOutput
+
+PAGE = 4
+MAX_SEQS = 8
+BUCKETS = Buckets.derive(MAX_SEQS, 32, 64, PAGE, tokens=(8, 16, 32), requests=(2, 4, 8),
+                         pages=(4, 8, 16))
+
+
+def scheduled(prompt, outputs, start, n, pages, params=None, seed=0):
+    req = Request(f"r{random.random()}", prompt, params or SamplingParams(temperature=0), seed=seed)
+    req.output_token_ids = list(outputs)
+    req.num_computed_tokens = start
+    req.page_ids = list(pages)
+    return ScheduledRequest(req, n, start, req.slice_token_ids(start, start + n),
+                            start + n == req.num_tokens, list(pages))
+
+
+def mixed_step():
+    """A first prefill chunk, a decode and a last prefill chunk, on scattered pages."""
+    a = scheduled(list(range(100, 110)), [], 0, 6, [3, 7])  # 6 of 10 prompt tokens
+    b = scheduled([5, 6, 7, 8, 9], [50, 51], 6, 1, [5, 2],  # decode at position 6
+                  SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7), seed=7)
+    c = scheduled(list(range(200, 209)), [], 4, 5, [9, 1, 4],  # prompt tokens 4..8 of 9
+                  SamplingParams(repetition_penalty=1.2, logit_bias={11: 3.0}, logprobs=2))
+    return SchedulerOutput([a, b, c])
+
+
+def test_mixed_prefill_and_decode_arrays():
+    out = mixed_step()
+    arr = prepare(out, BUCKETS, PAGE, MAX_SEQS)
+    T, R, P = arr.shape
+    # 12 tokens pad to 16; the request count follows the token bucket (min(16, 8) -> 8);
+    # the widest table (3 pages) pads to 4.
+    assert arr.shape == (16, 8, 4)
+    b = arr.batch
+    assert {k: v.shape for k, v in b.items()} == {
+        "input_ids": (T,), "positions": (T,), "slot_mapping": (T,), "req_indices": (T,),
+        "page_table": (R, P), "logits_indices": (R,)}
+    assert all(v.dtype == np.int32 for v in b.values())
+    assert b["input_ids"].tolist() == [100, 101, 102, 103, 104, 105, 51, 204, 205, 206, 207, 208,
+                                       0, 0, 0, 0]
+    assert b["positions"].tolist() == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 0, 0, 0, 0]
+    # slot = page * PAGE + offset: a on pages 3, 7; b's position 6 on page 2; c's 4..7 on page 1
+    # and 8 on page 4. Padding writes to the sink slot.
+    assert b["slot_mapping"].tolist() == [12, 13, 14, 15, 28, 29, 10, 4, 5, 6, 7, 16,
+                                          SINK_SLOT, SINK_SLOT, SINK_SLOT, SINK_SLOT]
+    assert SINK_SLOT // PAGE == 0  # the sink page, never handed out
+    assert b["req_indices"].tolist() == [0] * 6 + [1] + [2] * 5 + [R - 1] * 4
+    assert b["page_table"].tolist() == [[3, 7, 0, 0], [5, 2, 0, 0], [9, 1, 4, 0]] + [[0] * 4] * 5
+    assert b["logits_indices"].tolist() == [5, 6, 11, 0, 0, 0, 0, 0]
+    assert arr.wants_logprobs
+
+
+def test_mixed_step_sampling_arrays():
+    arr = prepare(mixed_step(), BUCKETS, PAGE, MAX_SEQS)
+    s = arr.sampling
+    R, S = 8, 4 * PAGE
+    np.testing.assert_allclose(s["temperature"], [0, 0.8, 1.0] + [0] * 5)
+    assert s["top_k"].tolist() == [0, 50, 0] + [0] * 5
+    np.testing.assert_allclose(s["top_p"], [1, 0.9, 1] + [1] * 5)
+    assert s["seed"].tolist() == [0, 7, 0] + [0] * 5
+    assert s["output_index"].tolist() == [0, 2, 0] + [0] * 5  # b samples its third output
+    assert s["num_prompt"].tolist() == [10, 5, 9] + [0] * 5
+    np.testing.assert_allclose(s["repetition_penalty"], [1, 1, 1.2] + [1] * 5)
+    # Only c is penalised: its history is prompt + outputs, -1 padded to pages x page size.
+    assert s["history"].shape == (R, S)
+    assert s["history"][2].tolist() == list(range(200, 209)) + [-1] * (S - 9)
+    assert (s["history"][[0, 1, 3]] == -1).all()
+    assert s["bias_ids"][2, 0] == 11 and s["bias_values"][2, 0] == 3.0
+    assert (s["bias_ids"][[0, 1]] == -1).all()
+    assert bool(s["any_penalty"]) and bool(s["any_bias"]) and bool(s["any_logprobs"])
+    assert bool(s["any_filter"]) and bool(s["any_random"])
+
+
+def signature(arr):
+    """What decides which compiled program runs: the shape and dtype of every array."""
+    return {group: {k: (np.shape(v), np.asarray(v).dtype) for k, v in getattr(arr, group).items()}
+            for group in ("batch", "sampling")}
+
+
+def test_plain_greedy_step_sends_placeholders_of_the_same_shape():
+    plain = SchedulerOutput([scheduled([1, 2, 3], [4], 3, 1, [6]) for _ in range(3)])
+    arr = prepare(plain, BUCKETS, PAGE, MAX_SEQS)
+    assert arr.shape == (8, 8, 4)
+    s = arr.sampling
+    assert (s["history"] == -1).all() and (s["bias_ids"] == -1).all()
+    assert not any(bool(s[k]) for k in ("any_penalty", "any_bias", "any_filter", "any_random",
+                                        "any_logprobs"))
+    assert not arr.wants_logprobs
+    assert arr.batch["logits_indices"].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert arr.batch["slot_mapping"].tolist() == [6 * PAGE + 3] * 3 + [SINK_SLOT] * 5
+    # A penalised, biased step of the same bucket sends arrays of the same shapes.
+    fancy = SchedulerOutput([scheduled([1, 2, 3], [4], 3, 1, [6], SamplingParams(
+        frequency_penalty=0.5, logit_bias={1: 1.0}, logprobs=1, temperature=0.5, top_k=3))])
+    assert signature(prepare(fancy, BUCKETS, PAGE, MAX_SEQS)) == signature(arr)
+
+
+def test_padding_step_matches_real_steps_and_writes_only_the_sink():
+    for step in (mixed_step(), SchedulerOutput([scheduled([1, 2, 3], [4], 3, 1, [6])])):
+        real = prepare(step, BUCKETS, PAGE, MAX_SEQS)
+        pad = padding_step(real.shape, PAGE)
+        assert pad.shape == real.shape
+        assert signature(pad) == signature(real)
+        assert (pad.batch["slot_mapping"] == SINK_SLOT).all()
+        assert (pad.sampling["temperature"] == 0).all()
+
+
+def test_every_possible_step_pads_to_a_compiled_shape():
+    """Random legal steps (within the token budget, max_num_seqs and max_model_len) always
+    land on one of all_step_shapes, the set warm-up compiles."""
+    shapes = set(all_step_shapes(BUCKETS, MAX_SEQS))
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(500):
+        budget = rng.randint(1, 32)
+        reqs = []
+        while budget and len(reqs) < MAX_SEQS:
+            n = rng.randint(1, budget)
+            total = rng.randint(n, 63)  # tokens after this step, below max_model_len 64
+            start = total - n
+            pages = list(range(1, -(-total // PAGE) + 1))
+            reqs.append(scheduled([7] * max(total, 1), [], start, n, pages))
+            budget -= n
+        arr = prepare(SchedulerOutput(reqs), BUCKETS, PAGE, MAX_SEQS)
+        assert arr.shape in shapes
+        seen.add(arr.shape)
+        n_tok = sum(r.num_new_tokens for r in reqs)
+        assert (arr.batch["slot_mapping"][n_tok:] == SINK_SLOT).all()
+        assert (arr.batch["slot_mapping"][:n_tok] >= PAGE).all()  # real tokens never hit the sink
+    assert seen == shapes  # and the random steps reach all of them
+
+
+def test_step_shape_rules():
+    assert step_shape(BUCKETS, 1, 1, 1, MAX_SEQS) == (8, 8, 4)
+    assert step_shape(BUCKETS, 9, 2, 5, MAX_SEQS) == (16, 8, 8)
+    assert step_shape(BUCKETS, 32, 8, 16, MAX_SEQS) == (32, 8, 16)
+    one_seq = Buckets.derive(1, 32, 64, PAGE, tokens=(8, 32), requests=(1,), pages=(16,))
+    assert step_shape(one_seq, 20, 1, 3, 1) == (32, 1, 16)
+    with pytest.raises(ValueError):
+        step_shape(BUCKETS, 33, 1, 1, MAX_SEQS)

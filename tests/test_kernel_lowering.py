@@ -1,0 +1,121 @@
+"""Cross-lowering the Pallas kernels for CUDA on a CPU host (DESIGN.md section 5).
+
+This runs the real Triton lowering (power-of-two tensors, supported primitives and casts) that
+interpret mode skips, for every kernel configuration the engine's buckets pick. It does not run
+ptxas: register or shared-memory overflow only shows on a GPU (scripts/gpu_check.sh).
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.ragged_paged_attention_kernel import block_sizes_for, ragged_paged_attention
+from serving.buckets import Buckets
+from serving.input_prep import all_step_shapes
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+DEVICE = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+SDS = jax.ShapeDtypeStruct
+
+# (name, heads, kv heads, head dim, dtype, kv dtype, engine sizes: max_num_seqs,
+#  max_num_batched_tokens, max_model_len, page_size)
+MODELS = [
+    ("demo-f32", 9, 3, 64, jnp.float32, None, (64, 512, 2048, 16)),
+    ("demo-bf16", 9, 3, 64, jnp.bfloat16, None, (64, 512, 2048, 16)),
+    ("8b-bf16", 32, 8, 128, jnp.bfloat16, None, (64, 512, 2048, 16)),
+    ("8b-bf16-bench", 32, 8, 128, jnp.bfloat16, None, (256, 512, 1024, 16)),  # bench_decode
+    ("8b-bf16-int8kv", 32, 8, 128, jnp.bfloat16, jnp.int8, (64, 512, 2048, 16)),
+    ("8b-bf16-fp8kv", 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn, (64, 512, 2048, 16)),
+]
+
+
+def lower_for_cuda(fn, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                      abstract_device=DEVICE)):
+            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def attention_args(T, R, P, heads, kv_heads, head_dim, dtype, kv_dtype, page_size,
+                   num_layers=2, num_pages=1024):
+    kv_shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+    kv_dtype = kv_dtype or dtype
+    args = [SDS((T, heads, head_dim), dtype), SDS(kv_shape, kv_dtype), SDS(kv_shape, kv_dtype),
+            SDS((), jnp.int32), SDS((T,), jnp.int32), SDS((T,), jnp.int32),
+            SDS((R, P), jnp.int32), SDS((), jnp.int32)]
+    scales = [SDS(kv_shape[:-1], jnp.float32)] * 2 if kv_dtype != dtype else [None, None]
+    return args + scales
+
+
+def kernel_configs(heads, kv_heads, head_dim, engine):
+    """Each distinct tile configuration of the engine's step shapes, with the largest shape
+    (tokens, then pages) that uses it."""
+    max_num_seqs, max_tokens, max_len, page_size = engine
+    buckets = Buckets.derive(max_num_seqs, max_tokens, max_len, page_size)
+    by_sizes: dict = {}
+    for T, R, P in all_step_shapes(buckets, max_num_seqs):
+        sizes = block_sizes_for((T, heads, head_dim), kv_heads, (R, P), page_size,
+                                device_kind=DEVICE.device_kind)
+        by_sizes.setdefault(sizes, []).append((T, R, P))
+    return {sizes: max(shapes) for sizes, shapes in by_sizes.items()}
+
+
+@pytest.mark.parametrize("name,heads,kv_heads,head_dim,dtype,kv_dtype,engine", MODELS,
+                         ids=[m[0] for m in MODELS])
+def test_engine_kernel_configs_lower_for_cuda(name, heads, kv_heads, head_dim, dtype, kv_dtype,
+                                              engine):
+    page_size = engine[3]
+    configs = kernel_configs(heads, kv_heads, head_dim, engine)
+    splits = {s.num_splits for s in configs}
+    assert 1 in splits and max(splits) > 1  # both the direct and the flash-decoding path
+    for sizes, (T, R, P) in configs.items():
+        args = attention_args(T, R, P, heads, kv_heads, head_dim, dtype, kv_dtype, page_size)
+
+        def fn(q, k, v, layer, pos, req, pt, window, ks, vs, sizes=sizes):
+            return ragged_paged_attention(q, k, v, layer, pos, req, pt, window, 0.125, ks, vs,
+                                          sizes=sizes, interpret=False)
+
+        text = lower_for_cuda(fn, *args).as_text()
+        assert text.count(TRITON_CALL) == 1, (name, sizes, T, R, P)
+
+
+def test_lowering_rejects_what_triton_cannot_do():
+    """The check has teeth: a 48-key tile is no power of two, and Triton refuses it."""
+    from pallas_kernels.block_sizes import AttentionBlockSizes
+    from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention_kernel
+    args = attention_args(8, 8, 4, 8, 2, 64, jnp.bfloat16, None, 16)
+
+    def fn(q, k, v, layer, pos, req, pt, window, ks, vs):
+        return ragged_paged_attention_kernel(q, k, v, layer, pos, req, pt, window, 0.125,
+                                             sizes=AttentionBlockSizes(4, 48, 1))
+
+    with pytest.raises(Exception, match="power of 2"):
+        lower_for_cuda(fn, *args)
+
+
+def test_model_forward_with_pallas_backend_lowers_for_cuda(monkeypatch):
+    """The dispatch point inside the scanned layers, as the engine compiles a step."""
+    from model import attention
+    from model.batch import Batch
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from model.transformer import Transformer, forward
+    monkeypatch.setattr(attention, "PALLAS_INTERPRET", False)
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=256, hidden_size=576, intermediate_size=256,
+                      num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
+                      sliding_windows=(0, 8), dtype="bfloat16")
+    T, R, P, page_size = 16, 4, 8, 16
+    i32 = lambda *s: SDS(s, jnp.int32)
+    batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R))
+    cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
+    params = jax.eval_shape(lambda: Transformer(cfg).init(
+        jax.random.PRNGKey(0), Batch(*(jnp.zeros((1,), jnp.int32) for _ in range(4)),
+                                     jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)),
+        KVCache.zeros(cfg, 1, 1))["params"])
+    lowered = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, "pallas"), params, cache,
+                             batch)
+    assert TRITON_CALL in lowered.as_text()
