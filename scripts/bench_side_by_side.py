@@ -179,7 +179,8 @@ def render_section(results: list[dict], meta: dict) -> str:
     levels = sorted({r["sweep_value"] for r in results})
     servers = [s for s in SERVERS if any(r["server"] == s for r in results)]
     lines = [BEGIN, "", f"Run {meta['date']} on {meta['machine']}; "
-             f"commit {meta['commit']}; {meta['workload']}.", "",
+             f"commit {meta['commit']}; {meta['workload']}; load average "
+             f"{meta.get('load_end', 0):.1f} at the end.", "",
              "| streams | prompts | server | output tok/s | median TTFT (ms) | median TPOT (ms) "
              "| p99 ITL (ms) | failed |",
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
@@ -317,6 +318,7 @@ def main(argv=None) -> int:
     results = []
     for name in names:
         results += run_server(name, args, levels, requests, hf_dir, log_dir)
+    meta["load_end"] = os.getloadavg()[0]
     json.dump({"meta": meta, "results": results}, open(docs / "benchmarks.json", "w"), indent=1)
     series = {s: [r for r in results if r["server"] == s] for s in names}
     bs.plot_sweep(series, str(docs / "benchmarks.png"), label_key="sweep_value",
