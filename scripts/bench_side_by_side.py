@@ -246,8 +246,8 @@ that re-tokenize to exactly the prompt length, a fixed number of output tokens w
 Regenerate with `python scripts/bench_side_by_side.py` (it rewrites only the part between the
 markers below; `--levels 1:4,16:16` picks the points; `--only ours,llama.cpp` runs only
 those servers, and the table then shows only them).
-This machine is shared: other jobs were running during the run (see the load average), so
-compare the servers within one run, as ratios, not across runs.
+This machine is shared with other jobs (each run records the load average), so compare the
+servers within one run, as ratios, not across runs.
 
 ## Side by side: ours, llama.cpp, transformers
 
@@ -281,6 +281,14 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores visible (load average {os.getloadavg()[0]:.1f} at start)"
 
 
+def commit() -> str:
+    """HEAD, marked when the serving code has uncommitted changes (they ran, not HEAD)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "?"
+    dirty = git("diff", "--quiet", "HEAD", "--", "serving", "model", "pallas_kernels", "quant")
+    return head + (" + uncommitted changes" if dirty.returncode else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1:4,16:16,64:64", help="CONCURRENCY:PROMPTS,...")
@@ -308,9 +316,7 @@ def main(argv=None) -> int:
     names = [s for s in SERVERS if s in args.only.split(",")]
     if "llama.cpp" in names:
         ensure_llama_server()
-    meta = {"date": datetime.date.today().isoformat(), "machine": machine(),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                     capture_output=True, text=True).stdout.strip() or "?",
+    meta = {"date": datetime.date.today().isoformat(), "machine": machine(), "commit": commit(),
             "workload": f"random prompts of {args.input_len} tokens, {args.output_len} output "
                         f"tokens (ignore_eos, greedy), /v1/completions, seed {args.seed}",
             "commands": {s: shlex.join(server_command(s, args, "PORT", hf_dir)).replace(

@@ -213,3 +213,25 @@ def test_sweep_writes_results_and_a_plot(tmp_path):
     assert [r["max_concurrency"] for r in results] == [1, 3]
     assert all(r["completed"] == 6 and r["total_output_tokens"] == 30 for r in results)
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_side_by_side_rewrites_only_its_section(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_side_by_side",
+                                                  _PATH.parent / "bench_side_by_side.py")
+    sbs = importlib.util.module_from_spec(spec)
+    sys.modules["bench_side_by_side"] = sbs
+    spec.loader.exec_module(sbs)
+    r = {"server": "ours", "sweep_value": 16, "num_prompts": 16, "output_throughput": 200.0,
+         "median_ttft_ms": 500.0, "median_tpot_ms": 20.0, "p99_itl_ms": 40.0, "failed": 0,
+         "startup_s": 3.0}
+    meta = {"date": "d", "machine": "m", "commit": "c", "workload": "w", "load_end": 1.0,
+            "commands": {"ours": "x", "llama.cpp": "y"}}
+    results = [r, r | {"server": "llama.cpp", "output_throughput": 100.0, "median_ttft_ms": 1000.0,
+                       "median_tpot_ms": 10.0}]
+    doc = tmp_path / "benchmarks.md"
+    sbs.update_doc(doc, sbs.render_section(results, meta))
+    doc.write_text(doc.read_text() + "\nnotes the lead keeps\n")
+    sbs.update_doc(doc, sbs.render_section(results, meta))
+    text = doc.read_text()
+    assert text.count(sbs.BEGIN) == 1 and "notes the lead keeps" in text
+    assert "| 16 | 2.00 [>= 2] | 0.50 [< 1] | 2.00 |" in text  # ours / llama.cpp ratios
