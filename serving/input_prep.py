@@ -24,24 +24,24 @@ class StepArrays:
     wants_logprobs: bool
 
 
-def step_shape(buckets: Buckets, num_tokens: int, num_reqs: int, num_pages: int,
+def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
                max_num_seqs: int) -> tuple[int, int, int]:
-    """The bucket a step runs in. The request count follows the token bucket (never more
-    requests than tokens), so the shapes to compile are tokens x pages."""
+    """The bucket a step runs in. The request count follows the token bucket (a step never
+    has more requests than tokens or than max_num_seqs), so the shapes are tokens x pages."""
     T = buckets.pad_tokens(num_tokens)
-    R = buckets.pad_requests(max(num_reqs, min(T, max_num_seqs)))
+    R = buckets.pad_requests(min(T, max_num_seqs))
     return T, R, buckets.pad_pages(max(num_pages, 1))
 
 
 def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int, int]]:
-    return sorted({step_shape(buckets, t, 1, p, max_num_seqs)
+    return sorted({step_shape(buckets, t, p, max_num_seqs)
                    for t in buckets.tokens for p in buckets.pages})
 
 
 def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
             max_num_seqs: int) -> StepArrays:
     sched = out.scheduled
-    T, R, P = step_shape(buckets, out.num_batched_tokens, len(sched),
+    T, R, P = step_shape(buckets, out.num_batched_tokens,
                          max(len(s.page_ids) for s in sched), max_num_seqs)
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)

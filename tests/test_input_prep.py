@@ -141,10 +141,10 @@ def test_every_possible_step_pads_to_a_compiled_shape():
 
 
 def test_step_shape_rules():
-    assert step_shape(BUCKETS, 1, 1, 1, MAX_SEQS) == (8, 8, 4)
-    assert step_shape(BUCKETS, 9, 2, 5, MAX_SEQS) == (16, 8, 8)
-    assert step_shape(BUCKETS, 32, 8, 16, MAX_SEQS) == (32, 8, 16)
+    assert step_shape(BUCKETS, 1, 1, MAX_SEQS) == (8, 8, 4)
+    assert step_shape(BUCKETS, 9, 5, MAX_SEQS) == (16, 8, 8)
+    assert step_shape(BUCKETS, 32, 16, MAX_SEQS) == (32, 8, 16)
     one_seq = Buckets.derive(1, 32, 64, PAGE, tokens=(8, 32), requests=(1,), pages=(16,))
-    assert step_shape(one_seq, 20, 1, 3, 1) == (32, 1, 16)
+    assert step_shape(one_seq, 20, 3, 1) == (32, 1, 16)
     with pytest.raises(ValueError):
-        step_shape(BUCKETS, 33, 1, 1, MAX_SEQS)
+        step_shape(BUCKETS, 33, 1, MAX_SEQS)
