@@ -1,7 +1,9 @@
 """The single attention dispatch point: every layer's attention over the paged cache goes here.
 
 Model code never picks a backend; `backend` comes from the engine's configuration:
-- "reference": pure jnp (pallas_kernels.ragged_paged_attention), any device.
+- "reference": pure jnp (pallas_kernels.ragged_paged_attention), any device: the spec.
+- "blocked": plain XLA shaped for CPUs (pallas_kernels.ragged_paged_attention_blocked); what
+  "auto" picks off-GPU.
 - "pallas": the ragged paged-attention Pallas kernel (Triton lowering); compiled on a GPU,
   run by the Pallas interpreter elsewhere (slow: for tests).
 """
@@ -10,9 +12,10 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
 from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("reference", "blocked", "pallas")
 
 # None: interpret the Pallas kernels unless the default backend is a GPU. Tests that
 # cross-lower for CUDA on a CPU host set it to False.
@@ -22,7 +25,7 @@ PALLAS_INTERPRET: bool | None = None
 def resolve_backend(name: str) -> str:
     """'auto' -> the best backend for the default device; other names are checked."""
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "blocked"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, "
                          + ", ".join(BACKENDS))
@@ -46,6 +49,8 @@ def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
             getattr(cache, "v_scale", None))
     if backend == "reference":
         return ragged_paged_attention_reference(*args)
+    if backend == "blocked":
+        return ragged_paged_attention_blocked(*args)
     if backend == "pallas":
         return ragged_paged_attention(*args, interpret=pallas_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

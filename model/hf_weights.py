@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model.config import ModelConfig
-from model.transformer import Transformer
+from model.transformer import abstract_params
 
 # (HF name pattern, parameter path, transpose). "{}" in a path takes the pattern's last group.
 _LAYER = r"model\.layers\.(\d+)\."
@@ -42,18 +42,6 @@ class WeightsError(ValueError):
 
 def np_dtype(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-def abstract_params(cfg: ModelConfig):
-    """The parameter tree as ShapeDtypeStructs: the single declaration of every weight."""
-    from model.batch import Batch
-    from model.kv_cache import KVCache
-    import jax.numpy as jnp
-    batch = Batch(*(jax.ShapeDtypeStruct((1,), jnp.int32) for _ in range(4)),
-                  jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 1, 1))
-    init = lambda b, c: Transformer(cfg).init(jax.random.PRNGKey(0), b, c)["params"]
-    return jax.eval_shape(init, batch, cache)
 
 
 def safetensors_files(hf_dir: Path) -> list[Path]:

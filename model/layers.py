@@ -19,6 +19,11 @@ def matmul(x, w):
     return quant_ops.matmul(x, w)
 
 
+def matmul_t(x, table):
+    """x: [..., hidden] against every row of table [vocab, hidden]: the tied head."""
+    return quant_ops.matmul_t(x, table)
+
+
 def embed(table, ids, dtype):
     """Rows `ids` of the embedding table (plain or a QuantArray) in `dtype`."""
     return quant_ops.take(table, ids, dtype)

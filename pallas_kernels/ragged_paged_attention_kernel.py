@@ -165,8 +165,7 @@ def combine_splits(o, m, l, dtype):
     return out.astype(dtype)
 
 
-# jit: a bare pallas_call is never dead-code eliminated, which flax's nn.scan (the model's
-# layer loop) rejects when it traces the body for loop invariants; a jitted call is.
+# jit: one traced program per static configuration, shared by every layer that calls it.
 @functools.partial(jax.jit, static_argnames=("scale", "sizes", "interpret", "poison"))
 def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_indices,
                                   page_table, sliding_window, scale: float,

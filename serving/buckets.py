@@ -6,7 +6,6 @@ import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-DEFAULT_MIN_TOKEN_BUCKET = 8
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -57,9 +56,8 @@ class Buckets:
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         max_pages = -(-max_model_len // page_size)
-        if tokens is None:
-            lo = min(DEFAULT_MIN_TOKEN_BUCKET, max_num_batched_tokens)
-            tokens = _powers_of_two(lo, max_num_batched_tokens)
+        if tokens is None:  # from 1: a lone decode stream computes one row, not eight
+            tokens = _powers_of_two(1, max_num_batched_tokens)
         if requests is None:
             requests = _powers_of_two(1, max_num_seqs)
         if pages is None:

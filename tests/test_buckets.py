@@ -9,24 +9,26 @@ from serving.buckets import Buckets
 def test_default_derivation():
     b = Buckets.derive(max_num_seqs=48, max_num_batched_tokens=1000, max_model_len=2048,
                        page_size=16)
-    assert b.tokens == (8, 16, 32, 64, 128, 256, 512, 1000)
+    assert b.tokens == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
     assert b.requests == (1, 2, 4, 8, 16, 32, 48)
     assert b.pages == (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def test_exact_powers_are_not_repeated_and_small_maxima_shrink_the_minimum():
+def test_exact_powers_are_not_repeated():
     b = Buckets.derive(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100,
                        page_size=8)
-    assert (b.tokens, b.requests, b.pages) == ((8, 16, 32, 64), (1, 2, 4), (1, 2, 4, 8, 13))
+    assert (b.tokens, b.requests, b.pages) == ((1, 2, 4, 8, 16, 32, 64), (1, 2, 4),
+                                               (1, 2, 4, 8, 13))
     tiny = Buckets.derive(max_num_seqs=1, max_num_batched_tokens=5, max_model_len=3,
                           page_size=4)
-    assert (tiny.tokens, tiny.requests, tiny.pages) == ((5,), (1,), (1,))
+    assert (tiny.tokens, tiny.requests, tiny.pages) == ((1, 2, 4, 5), (1,), (1,))
 
 
 def test_padding_picks_the_smallest_bucket_and_raises_above_the_last():
     b = Buckets.derive(max_num_seqs=48, max_num_batched_tokens=1000, max_model_len=2048,
                        page_size=16)
-    assert [b.pad_tokens(n) for n in (1, 8, 9, 512, 513, 1000)] == [8, 8, 16, 512, 1000, 1000]
+    assert [b.pad_tokens(n) for n in (1, 3, 8, 9, 512, 513, 1000)] == [1, 4, 8, 16, 512, 1000,
+                                                                        1000]
     assert [b.pad_requests(n) for n in (1, 3, 33, 48)] == [1, 4, 48, 48]
     assert [b.pad_pages(n) for n in (1, 65, 128)] == [1, 128, 128]
     for pad, over in ((b.pad_tokens, 1001), (b.pad_requests, 49), (b.pad_pages, 129)):

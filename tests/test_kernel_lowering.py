@@ -98,12 +98,12 @@ def test_lowering_rejects_what_triton_cannot_do():
 
 
 def test_model_forward_with_pallas_backend_lowers_for_cuda(monkeypatch):
-    """The dispatch point inside the scanned layers, as the engine compiles a step."""
+    """The dispatch point inside the model's layers, as the engine compiles a step."""
     from model import attention
     from model.batch import Batch
     from model.config import ModelConfig
     from model.kv_cache import KVCache
-    from model.transformer import Transformer, forward
+    from model.transformer import abstract_params, forward
     monkeypatch.setattr(attention, "PALLAS_INTERPRET", False)
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=256, hidden_size=576, intermediate_size=256,
                       num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -112,10 +112,7 @@ def test_model_forward_with_pallas_backend_lowers_for_cuda(monkeypatch):
     i32 = lambda *s: SDS(s, jnp.int32)
     batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R))
     cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
-    params = jax.eval_shape(lambda: Transformer(cfg).init(
-        jax.random.PRNGKey(0), Batch(*(jnp.zeros((1,), jnp.int32) for _ in range(4)),
-                                     jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)),
-        KVCache.zeros(cfg, 1, 1))["params"])
+    params = abstract_params(cfg)
     lowered = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, "pallas"), params, cache,
                              batch)
     assert TRITON_CALL in lowered.as_text()

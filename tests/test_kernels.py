@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels.block_sizes import AttentionBlockSizes, attention_block_sizes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
 from pallas_kernels.ragged_paged_attention_kernel import (
     max_query_blocks, query_blocks, ragged_paged_attention)
 from pallas_kernels.testing import layout, random_case
@@ -119,12 +120,9 @@ def _check(out, ref, dtype, what):
     np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype], err_msg=what)
 
 
-@pytest.mark.parametrize("c", CONFIGS)
-def test_kernel_matches_reference(c):
-    seed = zlib.crc32(repr(sorted((k, str(v)) for k, v in c.items())).encode())
-    rng = np.random.default_rng(seed)
-    fn = _kernel_fn(c)
-    ref_fn = jax.jit(ragged_paged_attention_reference, static_argnums=(8,))
+def _cases(c, rng):
+    """(q_lens, description, reference arguments) for every scenario, without and with a
+    sliding window."""
     for q_lens, ctx_lens in scenarios(c, rng):
         case = random_case(rng, q_lens=q_lens, ctx_lens=ctx_lens, num_tokens=c["tokens"],
                            num_reqs=c["reqs"], pages_per_req=c["pages"],
@@ -132,11 +130,39 @@ def test_kernel_matches_reference(c):
                            head_dim=c["head_dim"], page_size=c["page_size"], dtype=c["dtype"],
                            kv_dtype=c["kv"])
         for window in (0, int(rng.integers(1, 2 * c["page_size"] + 2))):
-            args = case.args(jnp.int32(window), 0.3)
-            args = (*args[:3], jnp.int32(args[3]), *args[4:])
-            out = fn(*args[:8], *args[9:])
-            ref = ref_fn(*args)
-            _check(out, ref, c["dtype"], f"q_lens={q_lens} ctx={ctx_lens} window={window}")
+            yield (q_lens, f"q_lens={q_lens} ctx={ctx_lens} window={window}",
+                   case.args(jnp.int32(window), 0.3))
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_kernel_matches_reference(c):
+    seed = zlib.crc32(repr(sorted((k, str(v)) for k, v in c.items())).encode())
+    rng = np.random.default_rng(seed)
+    fn = _kernel_fn(c)
+    ref_fn = jax.jit(ragged_paged_attention_reference, static_argnums=(8,))
+    for q_lens, what, args in _cases(c, rng):
+        args = (*args[:3], jnp.int32(args[3]), *args[4:])
+        _check(fn(*args[:8], *args[9:]), ref_fn(*args), c["dtype"], what)
+
+
+# The blocked XLA form: every kernel config (mostly more tokens than rows: the looped form),
+# plus decode-sized ones (tokens <= rows: the per-token form).
+BLOCKED_CONFIGS = CONFIGS + [
+    _cfg("g3-d64-p16-f32-decode-form", 9, 3, 64, 16, 4, 8, 8, F32),
+    _cfg("g2-d64-p16-bf16-int8-decode-form", 4, 2, 64, 16, 3, 4, 4, BF16, INT8),
+    _cfg("g4-d128-p32-f32-fp8-decode-form", 8, 2, 128, 32, 2, 16, 16, F32, FP8),
+]
+
+
+@pytest.mark.skipif(NATIVE, reason="a CPU path; the GPU run checks the kernel")
+@pytest.mark.parametrize("c", BLOCKED_CONFIGS)
+def test_blocked_matches_reference(c):
+    rng = np.random.default_rng(zlib.crc32(c["dtype"].__name__.encode() + bytes(c["tokens"])))
+    fn = jax.jit(ragged_paged_attention_blocked, static_argnums=(8,))
+    ref_fn = jax.jit(ragged_paged_attention_reference, static_argnums=(8,))
+    for q_lens, what, args in _cases(c, rng):
+        n = sum(q_lens)  # padding tokens attend to garbage in both: compare the real ones
+        _check(fn(*args)[:n], ref_fn(*args)[:n], c["dtype"], what)
 
 
 def test_check_catches_a_wrong_element_and_a_wrong_page():
