@@ -8,58 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import json
-import logging
 import signal
 import time
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from serving import protocol as p
 from serving import sse
+from serving.http_guard import error_middleware, gate_middleware, read_json
 from serving.metrics import Metrics
-
-log = logging.getLogger(__name__)
-
-# Not behind the API key and answered while draining: probes and scrapers must see them.
-OPEN_PATHS = {"/health"}
-
-
-@dataclass
-class ServerState:
-    engine: object
-    model: str
-    metrics: Metrics
-    api_key: str | None = None
-    max_queued_requests: int | None = None
-    max_body_bytes: int = 1 << 22
-    draining: bool = False
-    in_flight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    created: int = field(default_factory=p.now)
-    _texts: sse.TokenTexts | None = None
-
-    def token_texts(self) -> sse.TokenTexts:
-        if self._texts is None:
-            self._texts = sse.TokenTexts(self.engine.tokenizer)
-        return self._texts
-
-
-STATE = web.AppKey("xlaserve_state", ServerState)
+from serving.openapi import openapi_spec
+from serving.server_state import (STATE, ServerState, check_admission, check_prompt_size,
+                                  check_queue)
 
 
 def build_app(engine, *, served_model_name: str, api_key: str | None = None,
-              max_queued_requests: int | None = None,
-              max_body_bytes: int = 1 << 22) -> web.Application:
+              max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
+              max_prompt_chars: int | None = None) -> web.Application:
     """Best run with handler_cancellation=True (run_server does), so a client that goes away
     cancels its handler at once; without it, disconnects are noticed at the next write or
     within half a second (sse.cancel_on_disconnect)."""
     app = web.Application(client_max_size=max_body_bytes,
-                          middlewares=[_error_middleware, _gate_middleware])
+                          middlewares=[error_middleware, gate_middleware])
     state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
-                        max_queued_requests, max_body_bytes)
+                        max_queued_requests, max_body_bytes, max_prompt_chars)
     state.idle.set()
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
@@ -70,100 +42,17 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 
-# -- middleware ----------------------------------------------------------------------------
-
-def _error_response(err: p.ProtocolError) -> web.Response:
-    return web.json_response(err.to_dict(), status=err.status)
-
-
-_HTTP_CODES = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
-
-
-@web.middleware
-async def _error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except p.ProtocolError as err:
-        return _error_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error_response(p.ProtocolError(exc.reason, status=exc.status,
-                                               code=_HTTP_CODES.get(exc.status)))
-    except ConnectionResetError:
-        raise  # the client is gone; there is nobody to answer
-    except Exception:  # noqa: BLE001 - one bad request must not take the server down
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error_response(p.ProtocolError("internal server error", status=500))
-
-
-def _check_api_key(state: ServerState, request: web.Request) -> None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
-                                                            state.api_key.encode())
-    if not ok:
-        raise p.ProtocolError("missing or invalid API key (Authorization: Bearer ...)",
-                              status=401, code="invalid_api_key")
-
-
-@web.middleware
-async def _gate_middleware(request: web.Request, handler):
-    state = request.app[STATE]
-    if request.path not in OPEN_PATHS:
-        if state.api_key is not None:
-            _check_api_key(state, request)
-    if state.draining and request.path != "/metrics":
-        raise p.ProtocolError("the server is shutting down", status=503, code="shutting_down")
-    state.in_flight += 1
-    state.idle.clear()
-    try:
-        return await handler(request)
-    finally:
-        state.in_flight -= 1
-        if state.in_flight == 0:
-            state.idle.set()
-
-
 # -- request helpers -----------------------------------------------------------------------
-
-async def _read_json(request: web.Request) -> dict:
-    state = request.app[STATE]
-    too_large = p.ProtocolError(f"request body exceeds {state.max_body_bytes} bytes",
-                                status=413, code="request_too_large")
-    if request.content_length is not None and request.content_length > state.max_body_bytes:
-        raise too_large
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise p.ProtocolError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise p.ProtocolError("the request body must be a JSON object")
-    return body
-
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model:
         raise p.ProtocolError(f"The model '{model}' does not exist; this server serves "
                               f"'{state.model}'.", status=404, param="model",
                               code="model_not_found")
-
-
-def _admit(state: ServerState) -> None:
-    engine = state.engine
-    if not engine.ready:
-        raise p.ProtocolError("the model is still warming up", status=503, code="not_ready")
-    limit = state.max_queued_requests
-    if limit is not None and engine.stats().num_waiting >= limit:
-        raise p.ProtocolError("too many requests are waiting; retry later", status=503,
-                              code="queue_full")
 
 
 def _vocab_size(tokenizer) -> int:
@@ -174,8 +63,10 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool,
+def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool,
               add_special_tokens: bool = False) -> list[int]:
+    check_prompt_size(state, sum(len(m["content"]) for m in messages), "messages")
+    tokenizer = state.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise p.ProtocolError("this model has no chat template; use /v1/completions",
                               param="messages")
@@ -204,7 +95,11 @@ def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
 
 async def _respond(request: web.Request, state: ServerState, choices: list[sse.Choice],
                    fmt, stream: bool, arrival: float) -> web.StreamResponse:
-    stream_ = sse.OutputStream(state.engine, state.metrics, choices, arrival)
+    check_queue(state)  # no await from here until every choice is submitted
+    try:
+        stream_ = sse.OutputStream(state.engine, state.metrics, choices, arrival)
+    except Exception as exc:  # noqa: BLE001 - e.g. the engine died a moment ago
+        raise sse.engine_exception(exc) from exc
     try:
         async with sse.cancel_on_disconnect(request):
             if stream:
@@ -225,9 +120,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()  # TTFT counts from here, tokenization included (as vLLM)
     state = request.app[STATE]
     engine, tokenizer = state.engine, state.engine.tokenizer
-    _admit(state)
-    req = p.parse_completion_request(await _read_json(request), engine.max_model_len)
+    check_admission(state)
+    req = p.parse_completion_request(await read_json(request), engine.max_model_len)
     _check_model(state, req.model)
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            check_prompt_size(state, len(prompt), "prompt")
     choices: list[sse.Choice] = []
     for i, prompt in enumerate(req.prompts):
         if isinstance(prompt, str):
@@ -251,10 +149,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()  # TTFT counts from here, tokenization included (as vLLM)
     state = request.app[STATE]
     engine, tokenizer = state.engine, state.engine.tokenizer
-    _admit(state)
-    req = p.parse_chat_request(await _read_json(request))
+    check_admission(state)
+    req = p.parse_chat_request(await read_json(request))
     _check_model(state, req.model)
-    ids = _chat_ids(tokenizer, req.messages, req.add_generation_prompt)
+    ids = _chat_ids(state, req.messages, req.add_generation_prompt)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
@@ -288,10 +186,14 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]  # while draining, the gate already answers 503
-    if not state.engine.ready:
-        raise p.ProtocolError("the model is still warming up", status=503, code="not_ready")
+    check_admission(request.app[STATE])  # while draining, the gate already answers 503
     return web.json_response({"status": "ok"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(openapi_spec(state.model, _vocab_size(state.engine.tokenizer),
+                                          state.engine.max_model_len))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -307,17 +209,19 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tokenizer = state.engine.tokenizer
-    body = await _read_json(request)
+    body = await read_json(request)
     _check_model(state, p.opt_str(body, "model"))
+    add_generation_prompt = p.opt_bool(body, "add_generation_prompt", True)  # messages only
     if "messages" in body:
         req = p.parse_chat_request({"messages": body["messages"]})
-        ids = _chat_ids(tokenizer, req.messages, p.opt_bool(body, "add_generation_prompt", True),
+        ids = _chat_ids(state, req.messages, add_generation_prompt,
                         p.opt_bool(body, "add_special_tokens", False))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise p.ProtocolError("'prompt' (a string) or 'messages' is required",
                                   param="prompt")
+        check_prompt_size(state, len(prompt), "prompt")
         ids = _encode(tokenizer, prompt, p.opt_bool(body, "add_special_tokens", True))
     return web.json_response({"tokens": ids, "count": len(ids),
                               "max_model_len": state.engine.max_model_len})
@@ -326,7 +230,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tokenizer = state.engine.tokenizer
-    body = await _read_json(request)
+    body = await read_json(request)
     _check_model(state, p.opt_str(body, "model"))
     tokens = body.get("tokens")
     if not (isinstance(tokens, list) and all(p.is_int(t) and t >= 0 for t in tokens)):
@@ -340,14 +244,16 @@ async def detokenize(request: web.Request) -> web.Response:
 async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
                      served_model_name: str, api_key: str | None = None,
                      max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
-                     grace_period_s: float = 30.0,
-                     stop_event: asyncio.Event | None = None) -> None:
+                     max_prompt_chars: int | None = None, grace_period_s: float = 30.0,
+                     stop_event: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or stop_event), then drain: stop listening, answer new
     requests on open connections with 503, let in-flight ones finish within grace_period_s
     (a second signal cuts it short), cancel the rest (which aborts their engine requests)
-    and return, so the caller can exit 0."""
+    and return 0. If the engine dies, drain the same way (its requests have their errors
+    already) and return 1, so the process exits non-zero."""
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
-                    max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes)
+                    max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes,
+                    max_prompt_chars=max_prompt_chars)
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None)
@@ -360,8 +266,12 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
     stop = stop_event or asyncio.Event()
     force = asyncio.Event()  # a second signal: skip the rest of the grace period
     installed = _install_signal_handlers(lambda: (force if stop.is_set() else stop).set())
+    died = _watch_engine(engine, stop)
     try:
         await stop.wait()
+        if died.is_set():
+            print(f"xlaserve: the engine failed ({engine.dead}); exiting once in-flight "
+                  "requests have their errors", flush=True)
         print("xlaserve: shutting down, draining in-flight requests", flush=True)
         state.draining = True
         await site.stop()
@@ -374,6 +284,30 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
     finally:
         _remove_signal_handlers(installed)
         await runner.cleanup()
+    return 1 if died.is_set() else 0
+
+
+def _watch_engine(engine, stop: asyncio.Event) -> asyncio.Event:
+    """An event set (together with stop) when the engine dies; the engine's on_dead
+    callbacks run on its own thread."""
+    loop, died = asyncio.get_running_loop(), asyncio.Event()
+
+    def on_dead() -> None:
+        died.set()
+        stop.set()
+
+    def from_engine_thread() -> None:
+        try:
+            loop.call_soon_threadsafe(on_dead)
+        except RuntimeError:
+            pass  # the loop is closed: the server is gone already
+
+    callbacks = getattr(engine, "on_dead", None)
+    if callbacks is not None:
+        callbacks.append(from_engine_thread)
+    if getattr(engine, "dead", None) is not None:
+        on_dead()
+    return died
 
 
 def _install_signal_handlers(callback) -> list[int]:

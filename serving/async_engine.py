@@ -1,5 +1,12 @@
 """AsyncEngine: runs LLMEngine's step loop in its own thread and gives asyncio callers a stream
-of outputs per request. The loop sleeps on a condition when idle; it never polls."""
+of outputs per request. The loop sleeps on a condition when idle; it never polls.
+
+A step that raises means the engine's state can no longer be trusted (a device step failed,
+or the scheduler broke): the engine is dead. Every in-flight request gets an error and its
+pages back, later requests are refused at once, `ready` turns False, and `on_dead`
+callbacks run, so the server can report unhealthy and exit. Failures that belong to one
+request are handled inside LLMEngine.step and fail that request alone.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,32 +15,78 @@ import threading
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING
 
-from serving.engine import LLMEngine
 from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # the server's modules stay free of JAX
+    from serving.engine import LLMEngine
+
 log = logging.getLogger("xlaserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed and serves no more requests."""
 
 
 @dataclass
 class EngineStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int  # waiting in the scheduler, or submitted and not yet added to it
     kv_cache_usage: float
     num_preemptions_total: int
 
 
+class RequestStream:
+    """One request's outputs, as an async iterator; the last has finished=True. Closing it
+    early (`aclose()`) aborts the request and frees its pages; closing twice is harmless."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str):
+        self._engine, self.request_id = engine, request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self._close(finished=True)
+            raise item
+        if item.finished:
+            self._close(finished=True)
+        return item
+
+    def close(self) -> None:
+        self._close(finished=False)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _close(self, finished: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._engine._forget(self.request_id, abort=not finished)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: "LLMEngine"):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.ready = False
+        self.dead: str | None = None  # why the engine died, once it has
+        self.on_dead: list = []  # callables, run on the engine thread when it dies
         self._commands: deque = deque()  # (callable, args), applied by the engine thread
         self._wake = threading.Condition()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._num_unadded = 0  # submitted requests the engine thread has not added yet
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="xlaserve-engine", daemon=True)
 
@@ -51,36 +104,32 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs; the last has finished=True. Closing the generator
-        early (or cancelling its consumer) aborts the request and frees its pages."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(self._add, request_id, list(prompt_token_ids), params)
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str) -> RequestStream:
+        """Submits the request now (so admission control sees it at once) and returns its
+        output stream. Raises EngineDeadError if the engine has died."""
+        stream = RequestStream(self, request_id)
+        with self._wake:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine is dead: {self.dead}")
+            self._streams[request_id] = stream
+            self._num_unadded += 1
+            self._commands.append((self._add, (request_id, list(prompt_token_ids), params)))
+            self._wake.notify()
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._submit(self.engine.abort, request_id)
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
-        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
+        return EngineStats(s.num_running, s.num_waiting + self._num_unadded, s.kv_cache_usage,
                            s.num_preemptions_total)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort and self.dead is None:
+            self.abort(request_id)
 
     def _submit(self, fn, *args) -> None:
         with self._wake:
@@ -90,23 +139,45 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         try:
             self.engine.add_request(request_id, prompt, params)
-        except ValueError as e:
-            self._deliver(request_id, e)
+        except Exception as e:  # noqa: BLE001 - refused: the caller sees why
+            self._deliver(request_id, e if isinstance(e, ValueError)
+                          else RuntimeError(f"adding the request failed: {e}"))
+        finally:
+            with self._wake:
+                self._num_unadded -= 1
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _loop(self) -> None:
         try:
             self._run()
-        except BaseException as e:  # the loop itself broke: report unhealthy, end every stream
-            log.error("engine loop died: %s\n%s", e, traceback.format_exc())
+        except BaseException as e:  # noqa: BLE001 - the engine is dead; say so everywhere
+            log.error("engine step failed, the engine is dead: %s: %s\n%s", type(e).__name__,
+                      e, traceback.format_exc())
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _die(self, reason: str) -> None:
+        """Fails every request (in flight or just submitted) and frees its pages."""
+        with self._wake:
+            self.dead = reason
             self.ready = False
-            for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine loop died: {e}"))
+            self._commands.clear()
+            self._num_unadded = 0
+            streams = list(self._streams)
+        try:
+            failed = self.engine.fail_all(f"engine failed: {reason}")
+        except Exception:  # noqa: BLE001 - the streams below still get their error
+            log.exception("failing the in-flight requests after an engine error failed")
+            failed = []
+        for out in failed:
+            self._deliver(out.request_id, out)
+        for request_id in streams:  # those the engine had not added yet
+            self._deliver(request_id, EngineDeadError(f"the engine is dead: {reason}"))
+        for callback in self.on_dead:
+            callback()
 
     def _run(self) -> None:
         while True:
@@ -119,14 +190,8 @@ class AsyncEngine:
             for fn, args in commands:
                 try:
                     fn(*args)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - an abort of a gone request, ...
                     log.error("engine command %s failed: %s", fn.__name__, e)
-            if not self.engine.has_unfinished:
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a failed step fails its requests, never the server
-                log.error("engine step failed: %s\n%s", e, traceback.format_exc())
-                outputs = self.engine.fail_all(f"engine step failed: {e}")
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            if self.engine.has_unfinished:
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)

@@ -131,13 +131,12 @@ async def _serve(engine, args, started: float) -> int:
         gc.collect()
         gc.freeze()
         print(f"xlaserve: ready in {time.perf_counter() - started:.1f} s", flush=True)
-        await server
+        return await server  # 1 when the engine died
     finally:
         if not server.done():  # warm-up failed: stop listening before the error shows
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
         async_engine.shutdown()
-    return 0
 
 
 def _exit_during_warmup(server: asyncio.Task) -> None:

@@ -24,12 +24,13 @@ from quant.recipe import Recipe, describe as describe_quantization, quantize_par
 from serving import sizing
 from serving.config import EngineConfig
 from serving.detokenizer import IncrementalDetokenizer
+from serving.faults import Faults
 from serving.input_prep import all_step_shapes, padding_step, prepare
 from serving.outputs import RequestOutput, TokenLogprob
 from serving.request import Request, RequestStatus
 from serving.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger("xlaserve")
 
@@ -87,6 +88,7 @@ class LLMEngine:
         self._states: dict[str, _State] = {}
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
+        self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
 
     def warmup(self) -> list[float]:
         """Compiles every step shape; returns the seconds each took."""
@@ -115,9 +117,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
-        self.scheduler.add_request(req)
         detok = self.tokenizer and IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
+        self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
         self._states[request_id] = _State(req, detok, [] if params.logprobs is not None else None)
 
     def abort(self, request_id: str) -> None:
@@ -129,12 +131,20 @@ class LLMEngine:
         return self.scheduler.has_unfinished or bool(self._pending.requests)
 
     def step(self) -> list[RequestOutput]:
+        """One step. An exception from here means the engine's state is lost (the device
+        failed, or the scheduler broke): the caller fails every request. A failure that
+        belongs to one request (its sampling inputs, its detokenization) ends that request
+        with finish_reason "error" and the step goes on."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._emit_pending()
-        handle = self.runner.dispatch(prepare(out, self.buckets, self.config.page_size,
-                                              self.config.max_num_seqs))
-        outputs = self._emit_pending()
+        out, arrays, failed = self._prepare(out)
+        if arrays is None:
+            return failed + self._emit_pending()
+        if self.faults:
+            self.faults.check("step", (s.request for s in out.scheduled))
+        handle = self.runner.dispatch(arrays)
+        outputs = failed + self._emit_pending()
         result = self.runner.fetch(handle)
         sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
         changed = self.scheduler.update(out, sampled)
@@ -144,22 +154,58 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
-        outputs = []
-        for request_id, st in list(self._states.items()):
-            self.abort(request_id)
-            outputs.append(RequestOutput(request_id, st.request.prompt_token_ids,
-                                         list(st.request.output_token_ids), st.text,
-                                         finished=True, finish_reason="error", error=error))
         self._pending = _Pending()
-        return outputs
+        return [self._fail(request_id, error) for request_id in list(self._states)]
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput:
+        """Ends one request with an error and frees its pages."""
+        st = self._states.pop(request_id)
+        self.scheduler.abort(request_id)
+        req = st.request
+        return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             st.text, finished=True, finish_reason="error", error=error)
+
+    def _build(self, out: SchedulerOutput):
+        if self.faults:
+            self.faults.check("sampling", (s.request for s in out.scheduled))
+        return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs)
+
+    def _prepare(self, out: SchedulerOutput):
+        """(the step's requests, their arrays, error outputs). When the step's arrays cannot
+        be built, each request is built alone to find the ones at fault; they fail, the
+        rest runs. Arrays are None when no request is left."""
+        try:
+            return out, self._build(out), []
+        except Exception as e:  # noqa: BLE001 - one request's inputs must not fail a batch
+            log.error("building a step failed (%s); retrying its requests one by one",
+                      type(e).__name__)
+        failed = []
+        for s in out.scheduled:
+            try:
+                self._build(SchedulerOutput([s]))
+            except Exception as e:  # noqa: BLE001 - this request is at fault
+                failed.append(self._fail_alone(s.request.request_id, "sampling inputs", e))
+        gone = {f.request_id for f in failed}
+        kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
+                               out.preempted)
+        return kept, (self._build(kept) if kept.scheduled else None), failed
+
+    def _fail_alone(self, request_id: str, what: str, exc: Exception) -> RequestOutput:
+        error = f"{what} failed: {type(exc).__name__}: {exc}"
+        log.error("request %s: %s", request_id, error)
+        return self._fail(request_id, error)
 
     def _emit_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, _Pending()
         outputs = []
         for req, row in zip(p.requests, p.rows):
             st = self._states.get(req.request_id)
-            if st is not None:
+            if st is None:
+                continue
+            try:
                 outputs.append(self._output(st, p.result, row))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                outputs.append(self._fail_alone(req.request_id, "detokenization", e))
         return outputs
 
     def _output(self, st: _State, result: StepResult, row: int) -> RequestOutput:
@@ -169,6 +215,8 @@ class LLMEngine:
             queue_time = req.first_scheduled_time - req.arrival_time
         new_ids = req.output_token_ids[st.num_emitted:]
         st.num_emitted = len(req.output_token_ids)
+        if self.faults:
+            self.faults.check("detokenize", [req])
         new_text, stop = st.detokenizer.add(new_ids) if st.detokenizer else ("", None)
         if stop is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)

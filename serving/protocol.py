@@ -8,6 +8,7 @@ envelope; the server turns it into a response.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from serving.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 256  # prompts x n per request: bounds what one request can queue
+MAX_TOP_K = 2 ** 31 - 1  # the sampler's top_k is int32; larger means "off" anyway
+# ASCII digits only ("²".isdigit() is true, int("²") fails) and few of them (int() refuses
+# thousands); any id this long is outside every vocabulary and is refused later anyway.
+_TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,18}\s*")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
@@ -149,7 +154,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
         raise _bad("logit_bias", "an object mapping token ids to numbers", value)
     bias = {}
     for key, v in value.items():
-        if not (isinstance(key, str) and key.strip().isdigit()):
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
             raise _bad("logit_bias", "keyed by token ids (as strings)", key)
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
             raise _bad("logit_bias", "an object mapping token ids to finite numbers", v)
@@ -184,7 +189,7 @@ def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
         n=n, seed=seed, max_tokens=max_tokens, stop=_stop(body),
         stop_token_ids=_stop_token_ids(body), logit_bias=_logit_bias(body), logprobs=logprobs,
         temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", 0), min_p=_number(body, "min_p", 0.0),
+        top_k=_int(body, "top_k", 0, -1, MAX_TOP_K), min_p=_number(body, "min_p", 0.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from serving import protocol as p
+from serving.async_engine import EngineDeadError
 from serving.outputs import RequestOutput, TokenLogprob
 from serving.sampling_params import SamplingParams
 
@@ -46,20 +47,30 @@ class Choice:
 
 class OutputStream:
     """Runs the choices' engine requests concurrently and hands out (choice, output) pairs
-    in arrival order; `get()` returns None once every request has finished."""
+    in arrival order; `get()` returns None once every request has finished.
+
+    Every request is submitted when the stream is built, before the caller awaits anything,
+    so the engine's queue length (admission control) counts it at once."""
 
     def __init__(self, engine, metrics, choices: list[Choice], arrival: float):
-        self._engine, self._metrics, self._arrival = engine, metrics, arrival
+        self._metrics, self._arrival = metrics, arrival
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(choices)
-        self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
+        self._gens = []
+        try:
+            for c in choices:
+                self._gens.append(engine.generate(c.prompt_ids, c.params, c.request_id))
+        except BaseException:
+            for gen in self._gens:  # withdraw the ones already submitted
+                _close_now(gen)
+            raise
+        self._tasks = [asyncio.create_task(self._pump(c, gen))
+                       for c, gen in zip(choices, self._gens)]
 
-    async def _pump(self, choice: Choice) -> None:
+    async def _pump(self, choice: Choice, gen) -> None:
         tracker = self._metrics.track(len(choice.prompt_ids), self._arrival)
-        gen = None
         queue_time = None  # the engine reports it on the request's first update only
         try:
-            gen = self._engine.generate(choice.prompt_ids, choice.params, choice.request_id)
             async for out in gen:
                 if queue_time is None:
                     queue_time = getattr(out, "queue_time", None)
@@ -74,8 +85,7 @@ class OutputStream:
         finally:
             tracker.on_finish("abort")  # no-op when it finished
             try:
-                if gen is not None and hasattr(gen, "aclose"):
-                    await gen.aclose()  # aborts the engine request if it is still running
+                await gen.aclose()  # aborts the engine request if it is still running
             finally:
                 self._queue.put_nowait((choice, _END))
 
@@ -94,6 +104,16 @@ class OutputStream:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for gen in self._gens:  # a task cancelled before it started never closed its own
+            _close_now(gen)
+
+
+def _close_now(gen) -> None:
+    """Closes an engine stream without awaiting: AsyncEngine's streams close synchronously;
+    a plain async generator that never started has nothing to clean up."""
+    close = getattr(gen, "close", None)
+    if close is not None:
+        close()
 
 
 def engine_failure(out: RequestOutput) -> p.ProtocolError | None:
@@ -108,6 +128,8 @@ def engine_exception(exc: Exception) -> p.ProtocolError:
         return exc
     if isinstance(exc, ValueError):
         return p.ProtocolError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return p.ProtocolError(str(exc), status=503, code="engine_dead")
     return p.ProtocolError(f"generation failed: {type(exc).__name__}: {exc}", status=500)
 
 

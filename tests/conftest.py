@@ -25,3 +25,12 @@ def demo_checkpoint(demo_model_dir):
     if not is_checkpoint(out):
         convert_hf(demo_model_dir, out, "float32", progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def shared_server(demo_checkpoint):
+    """One demo-model server (tests/server_util.py: live_server) for the test modules that
+    only send it traffic and leave it clean (fuzzing, overload, security): one warm-up."""
+    from tests.server_util import live_server
+    with live_server(demo_checkpoint) as server:
+        yield server

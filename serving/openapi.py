@@ -1,0 +1,183 @@
+"""The OpenAPI 3.1 description the server serves at /openapi.json: its routes, what each
+request body may hold (the rules `serving.protocol` enforces) and the error envelope.
+
+Like every route but /health, /openapi.json needs the API key when the server has one.
+Unknown fields are ignored, as OpenAI and vLLM do, so objects allow additional properties.
+Every optional field also accepts null, which means "the default". Rules that tie two
+fields together (stream_options needs stream, top_logprobs needs logprobs, the context
+length) are in the descriptions.
+"""
+from __future__ import annotations
+
+from serving.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
+from serving.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
+NON_EMPTY_STRING = {"type": "string", "minLength": 1}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _int(lo: int | None = None, hi: int | None = None, **extra) -> dict:
+    schema = {"type": "integer", **extra}
+    if lo is not None:
+        schema["minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    return _nullable(schema)
+
+
+def _number(lo: float, hi: float, exclusive_lo: bool = False) -> dict:
+    low = {"exclusiveMinimum": lo} if exclusive_lo else {"minimum": lo}
+    return _nullable({"type": "number", **low, "maximum": hi})
+
+
+def _bool(**extra) -> dict:
+    return _nullable({"type": "boolean", **extra})
+
+
+def _sampling_fields(token_id: dict, model: str) -> dict:
+    """The fields both generation endpoints share (vLLM's names, SamplingParams' ranges)."""
+    return {
+        "model": _nullable({"const": model}),
+        "stream": _bool(),
+        "stream_options": _nullable({"type": "object", "description": "only with stream: true",
+                                     "properties": {"include_usage": _bool()}}),
+        "n": _int(1, 128, description=f"choices per prompt; at most {MAX_CHOICES} choices "
+                                      "(prompts x n) per request"),
+        "best_of": _int(1, 128, description="must equal n"),
+        "seed": _int(-(2 ** 63), 2 ** 64 - 1),
+        "temperature": _number(0, 100),
+        "top_p": _number(0, 1, exclusive_lo=True),
+        "top_k": _int(-1, MAX_TOP_K, description="0 or -1: off"),
+        "min_p": _number(0, 1),
+        "presence_penalty": _number(-2, 2),
+        "frequency_penalty": _number(-2, 2),
+        "repetition_penalty": _number(0, 2, exclusive_lo=True),
+        "stop": _nullable({"anyOf": [NON_EMPTY_STRING, {
+            "type": "array", "items": NON_EMPTY_STRING, "maxItems": MAX_STOP_STRINGS}]}),
+        "stop_token_ids": _nullable({"type": "array", "items": token_id}),
+        "logit_bias": _nullable({
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": r"^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": "token id (a string of digits, inside the vocabulary) -> bias"}),
+        "ignore_eos": _bool(),
+        "include_stop_str_in_output": _bool(),
+        "skip_special_tokens": _bool(enum=[True], description="only true is supported"),
+        "spaces_between_special_tokens": _bool(enum=[True],
+                                               description="only true is supported"),
+    }
+
+
+def _message() -> dict:
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    return {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": sorted(ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part},
+                              {"type": "null", "description": "assistant messages only"}]}}}
+
+
+def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str, dict]:
+    """Route -> JSON Schema of its request body."""
+    token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    token_ids = {"type": "array", "items": token_id, "minItems": 1,
+                 "maxItems": max_model_len - 1}
+    max_tokens = _int(1, max_model_len - 1, description="prompt tokens + max_tokens must fit "
+                                                        f"the context ({max_model_len})")
+    sampling = _sampling_fields(token_id, model)
+    completion = {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"anyOf": [
+            NON_EMPTY_STRING,
+            {"type": "array", "items": NON_EMPTY_STRING, "minItems": 1},
+            token_ids,
+            {"type": "array", "items": token_ids, "minItems": 1}],
+            "description": "text, texts, token ids or lists of token ids"},
+        "max_tokens": {**max_tokens, "description": "default 16"},
+        "logprobs": _int(0, MAX_LOGPROBS),
+        "echo": _bool(description="not together with logprobs"),
+        "suffix": {"type": "null", "description": "not supported"},
+        **sampling}}
+    chat = {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "items": _message(), "minItems": 1},
+        "max_tokens": {**max_tokens, "description": "default: what the context leaves"},
+        "max_completion_tokens": {**max_tokens, "description": "wins over max_tokens"},
+        "logprobs": _bool(),
+        "top_logprobs": _int(0, MAX_LOGPROBS, description="requires logprobs: true"),
+        "add_generation_prompt": _bool(),
+        "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
+                  "description": "tool calling is not supported"},
+        "response_format": _nullable({"type": "object", "required": ["type"],
+                                      "properties": {"type": {"const": "text"}}}),
+        **sampling}}
+    tokenize = {"type": "object", "properties": {
+        "model": sampling["model"],
+        "prompt": {"type": "string", "description": "required unless messages is given"},
+        "messages": {"type": "array", "items": _message(), "minItems": 1},
+        "add_special_tokens": _bool(),
+        "add_generation_prompt": _bool()}}
+    detokenize = {"type": "object", "required": ["tokens"], "properties": {
+        "model": sampling["model"], "tokens": {"type": "array", "items": token_id}}}
+    return {"/v1/completions": completion, "/v1/chat/completions": chat,
+            "/tokenize": tokenize, "/detokenize": detokenize}
+
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "null"]}}}}}
+
+
+def _errors(*statuses: int) -> dict:
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    return {str(s): {"description": "an error in OpenAI's envelope", "content": ref}
+            for s in statuses}
+
+
+def _post(summary: str, body: dict, stream: bool = False) -> dict:
+    ok = {"application/json": {"schema": {"type": "object"}}}
+    if stream:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {"200": {"description": "OK", "content": ok},
+                      **_errors(400, 401, 404, 405, 413, 500, 503)}}}
+
+
+def _get(summary: str, content_type: str = "application/json", **extra) -> dict:
+    return {"get": {"summary": summary,
+                    "responses": {"200": {"description": "OK",
+                                          "content": {content_type: {"schema": {}}}},
+                                  **_errors(401, 404, 405, 503)}, **extra}}
+
+
+def openapi_spec(model: str, vocab_size: int, max_model_len: int) -> dict:
+    bodies = request_schemas(model, vocab_size, max_model_len)
+    model_param = {"name": "model", "in": "path", "required": True,
+                   "schema": {"type": "string"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "xlaserve", "version": "0.1.0",
+                 "description": f"OpenAI-compatible API serving '{model}'. With an API key, "
+                                "every route but /health needs 'Authorization: Bearer KEY'."},
+        "paths": {
+            "/v1/completions": _post("text completions", bodies["/v1/completions"], True),
+            "/v1/chat/completions": _post("chat completions", bodies["/v1/chat/completions"],
+                                          True),
+            "/v1/models": _get("the served model"),
+            "/v1/models/{model}": _get("one model", parameters=[model_param]),
+            "/tokenize": _post("text or messages to token ids", bodies["/tokenize"]),
+            "/detokenize": _post("token ids to text", bodies["/detokenize"]),
+            "/health": _get("200 once ready; 503 while warming up, draining or after the "
+                            "engine failed", security=[]),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get("this description"),
+        },
+        "components": {"schemas": {"Error": ERROR},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }
