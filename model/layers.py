@@ -64,8 +64,11 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.cfg
         lin = lambda n, name: Linear(n, cfg.mlp_bias, cfg.dtype, name=name)
-        gate = lin(cfg.intermediate_size, "gate_proj")(x)
-        up = lin(cfg.intermediate_size, "up_proj")(x)
+        n = cfg.intermediate_size
+        if self.has_variable("params", "gate_up_proj"):  # joined by prepare_params
+            gate, up = jnp.split(lin(2 * n, "gate_up_proj")(x), 2, axis=-1)
+        else:
+            gate, up = lin(n, "gate_proj")(x), lin(n, "up_proj")(x)
         return lin(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 

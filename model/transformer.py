@@ -13,6 +13,7 @@ from model.attention import paged_attention
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
+from model.runtime_params import prepare_params
 from model.layers import (MLP, Linear, RMSNorm, apply_rope, embed, matmul, matmul_t,
                           rope_inv_freq)
 
@@ -25,9 +26,13 @@ class Attention(nn.Module):
     def __call__(self, x, cache: KVCache, layer, window, batch: Batch):
         cfg = self.cfg
         T = x.shape[0]
-        q = Linear(cfg.q_size, cfg.qkv_bias, cfg.dtype, name="q_proj")(x)
-        k = Linear(cfg.kv_size, cfg.qkv_bias, cfg.dtype, name="k_proj")(x)
-        v = Linear(cfg.kv_size, cfg.qkv_bias, cfg.dtype, name="v_proj")(x)
+        sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        if self.has_variable("params", "qkv_proj"):  # joined by prepare_params
+            qkv = Linear(sum(sizes), cfg.qkv_bias, cfg.dtype, name="qkv_proj")(x)
+            q, k, v = jnp.split(qkv, (sizes[0], sizes[0] + sizes[1]), axis=-1)
+        else:
+            q, k, v = (Linear(n, cfg.qkv_bias, cfg.dtype, name=f"{p}_proj")(x)
+                       for n, p in zip(sizes, "qkv"))
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -60,39 +65,19 @@ class DecoderLayer(nn.Module):
         return (x, cache), None
 
 
-def layer_params(layers, i: int):
-    """Layer i's weights from `params["layers"]`: a tuple of per-layer trees (what the engine
-    runs with, see `unstack_layers`) or one tree stacked on a leading layer axis (storage)."""
-    if isinstance(layers, (tuple, list)):
-        return layers[i]
-    return jax.tree.map(lambda a: a[i], layers)
-
-
-def unstack_layers(params):
-    """Stacked layer weights -> a tuple of per-layer trees, each leaf its own buffer.
-
-    A layer's weights must be whole arrays when a program runs: on a CPU, slicing them out of a
-    stacked array inside the program copies them on every step (a decode step read 513 MiB of
-    float32 weights at 8 GB/s that way, against 29 GB/s from separate buffers)."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
-        return params
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    per_layer = tuple(jax.tree.map(lambda a: a[i], layers) for i in range(num_layers))
-    return {**params, "layers": per_layer}
-
-
 def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference"):
     """-> (logits float32[R, V], new cache) for the tokens named by `batch.logits_indices`.
 
-    Pure: jit it with the cache donated. The layers are unrolled, each reading its own weights
-    (`layer_params`) and its slice of the cache at a static layer index."""
+    Pure: jit it with the cache donated. params: stored or, to run fast, prepared once with
+    `model.runtime_params.prepare_params`. The layers are unrolled, each reading its own
+    weights and its slice of the cache at a static layer index."""
+    params = prepare_params(params)
     x = embed(params["embed"], batch.input_ids, cfg.dtype)
     layer = DecoderLayer(cfg, backend)
     windows = cfg.sliding_windows or (0,) * cfg.num_layers
     for i in range(cfg.num_layers):
-        (x, cache), _ = layer.apply({"params": layer_params(params["layers"], i)}, (x, cache),
-                                    i, jnp.int32(windows[i]), batch)
+        (x, cache), _ = layer.apply({"params": params["layers"][i]}, (x, cache), i,
+                                    jnp.int32(windows[i]), batch)
     x = x[batch.logits_indices]
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, x)
     if cfg.tie_word_embeddings:

@@ -24,7 +24,8 @@ from model.batch import Batch, sequences_batch
 from model.checkpoint import param_bytes
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.transformer import forward, unstack_layers
+from model.runtime_params import prepare_params
+from model.transformer import forward
 
 PAGE_SIZE = 16
 
@@ -32,7 +33,7 @@ PAGE_SIZE = 16
 @partial(jax.jit, static_argnames=("cfg",))
 def _score(params, cache, batch, targets, cfg: ModelConfig):
     """-> (log p(target) f32[T], argmax int32[T], cache): logits never leave the device.
-    params: layers unstacked (see unstack_layers), as every public function here makes them."""
+    params: prepared (see prepare_params), as every public function here makes them."""
     logits, cache = forward(params, cache, batch, cfg)
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
@@ -58,7 +59,7 @@ def perplexity(cfg: ModelConfig, params, tokens: list[int], *, kv_cache_dtype=No
 
     Every step is padded to len(windows) * chunk tokens (padding writes to the sink page and
     is not scored), so one program serves the whole text."""
-    params = unstack_layers(params)
+    params = prepare_params(params)
     windows = [tokens[i:i + window] for i in range(0, len(tokens), window)]
     windows = [w for w in windows if len(w) > 1]
     table, num_pages = _pages(len(windows), window)
@@ -91,7 +92,7 @@ def perplexity(cfg: ModelConfig, params, tokens: list[int], *, kv_cache_dtype=No
 def greedy(cfg: ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, *,
            kv_cache_dtype=None) -> list[list[int]]:
     """Greedy continuations of every prompt, decoded together one token per step."""
-    params = unstack_layers(params)
+    params = prepare_params(params)
     n = len(prompts)
     table, num_pages = _pages(n, max(map(len, prompts)) + max_new_tokens)
     cache = _zeros(cfg, num_pages, kv_cache_dtype)
@@ -115,7 +116,7 @@ def greedy(cfg: ModelConfig, params, prompts: list[list[int]], max_new_tokens: i
 def teacher_forced_agreement(cfg: ModelConfig, params, prompts: list[list[int]],
                              continuations: list[list[int]], *, kv_cache_dtype=None) -> float:
     """Fraction of continuation tokens that are the model's argmax given the true prefix."""
-    params = unstack_layers(params)
+    params = prepare_params(params)
     seqs = [p + c for p, c in zip(prompts, continuations)]
     table, num_pages = _pages(len(seqs), max(map(len, seqs)))
     cache = _zeros(cfg, num_pages, kv_cache_dtype)
@@ -155,7 +156,7 @@ def evaluate(cfg: ModelConfig, params, tokens: list[int], prompts: list[list[int
     reference = greedy(cfg, params, prompts, max_new_tokens)
     rows = []
     for weights, kv in configs:
-        p = unstack_layers(params if weights == "none" else quantize_params(params, weights))
+        p = prepare_params(params if weights == "none" else quantize_params(params, weights))
         kv_dtype = None if kv == "auto" else kv
         row = QualityRow(
             weights, kv, param_bytes(p),

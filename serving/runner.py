@@ -14,7 +14,8 @@ from tqdm import tqdm
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.transformer import forward, unstack_layers
+from model.runtime_params import prepare_params
+from model.transformer import forward
 from serving.input_prep import StepArrays
 from serving.sampler import SampleOutput, SamplingInputs, sample
 
@@ -38,7 +39,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None):
         self.cfg = cfg
-        self.params = unstack_layers(params)
+        self.params = prepare_params(params)
         self.cache = KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype)
         self.backend = attention_backend
         self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
