@@ -3,8 +3,9 @@ request's detokenization raise, to prove that a failure takes down only what it 
 
 Off by default. Set `LLMEngine.faults` to a `Faults`, or start the server with the
 environment variable XLASERVE_FAULTS (read when the engine is built), a comma-separated list
-of STAGE:SEED, e.g. XLASERVE_FAULTS=step:4242,detokenize:7. A stage fails for the requests
-whose sampling seed is SEED, so a test picks its victims by the seed it sends:
+of STAGE:SEED[:AFTER], e.g. XLASERVE_FAULTS=step:4242:3,detokenize:7. A stage fails for the
+requests whose sampling seed is SEED, once they have AFTER output tokens (default 0), so a
+test picks its victims by the seed it sends, and with AFTER > 0 fails them mid-stream:
 
     step        the device step of any batch holding such a request raises. The engine is
                 then dead: every in-flight request gets an error, /health answers 503 and
@@ -29,18 +30,20 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class Faults:
-    seeds: dict[str, frozenset[int]] = field(default_factory=dict)  # stage -> seeds
+    victims: dict[str, dict[int, int]] = field(default_factory=dict)  # stage -> seed -> after
 
     @classmethod
     def parse(cls, spec: str) -> "Faults":
-        seeds: dict[str, set[int]] = {}
+        victims: dict[str, dict[int, int]] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
-            stage, _, seed = item.partition(":")
-            if stage not in STAGES or not seed.lstrip("-").isdigit():
-                raise ValueError(f"{ENV_VAR}: expected STAGE:SEED with STAGE one of "
+            stage, *numbers = item.split(":")
+            if stage not in STAGES or len(numbers) not in (1, 2) or not all(
+                    n.lstrip("-").isdigit() for n in numbers):
+                raise ValueError(f"{ENV_VAR}: expected STAGE:SEED[:AFTER] with STAGE one of "
                                  f"{', '.join(STAGES)}, got {item!r}")
-            seeds.setdefault(stage, set()).add(int(seed))
-        return cls({stage: frozenset(s) for stage, s in seeds.items()})
+            seed, after = int(numbers[0]), int(numbers[1]) if len(numbers) == 2 else 0
+            victims.setdefault(stage, {})[seed] = after
+        return cls(victims)
 
     @classmethod
     def from_env(cls) -> "Faults | None":
@@ -48,7 +51,8 @@ class Faults:
         return cls.parse(spec) if spec.strip() else None
 
     def hits(self, stage: str, request) -> bool:
-        return request.sampling_params.seed in self.seeds.get(stage, ())
+        after = self.victims.get(stage, {}).get(request.sampling_params.seed)
+        return after is not None and request.num_output_tokens >= after
 
     def check(self, stage: str, requests) -> None:
         """Raises InjectedFault if a stage's victim is among the requests."""
