@@ -15,7 +15,8 @@ from aiohttp import web
 
 from serving import protocol as p
 from serving import sse
-from serving.http_guard import error_middleware, gate_middleware, read_json
+from serving.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
+                                read_json)
 from serving.metrics import Metrics
 from serving.openapi import openapi_spec
 from serving.server_state import (STATE, ServerState, check_admission, check_prompt_size,
@@ -28,6 +29,7 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     """Best run with handler_cancellation=True (run_server does), so a client that goes away
     cancels its handler at once; without it, disconnects are noticed at the next write or
     within half a second (sse.cancel_on_disconnect)."""
+    quiet_unparsable_requests()
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, gate_middleware])
     state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,

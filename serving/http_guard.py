@@ -23,6 +23,28 @@ _HTTP_CODES = {413: "request_too_large", 404: "not_found", 405: "method_not_allo
 _CROSS_SITE_TYPES = {"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"}
 
 
+class _UnparsableRequestFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse together with the offending bytes (a header
+    line, the request line), which may hold an API key or prompt text: keep the event,
+    drop the bytes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "refused an unparsable HTTP request from %s (%s %s)"
+            record.args = (remote, exc.code, type(exc).__name__)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_unparsable_requests() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _UnparsableRequestFilter) for f in server_log.filters):
+        server_log.addFilter(_UnparsableRequestFilter())
+
+
 def error_response(err: p.ProtocolError, headers=None) -> web.Response:
     return web.json_response(err.to_dict(), status=err.status, headers=headers)
 
