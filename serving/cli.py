@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-queued-requests", type=int, default=None)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--max-queued-requests", type=int, default=None,
+                       help="answer 503 while this many requests wait for a slot")
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
     warm = sub.add_parser("warmup", help="compile every bucket into the compilation cache")
@@ -104,8 +106,8 @@ def main(argv=None) -> int:
     print(f"xlaserve: {engine.describe()}", flush=True)
     if args.command == "warmup":
         seconds = engine.warmup()
-        print(f"xlaserve: compiled {len(seconds)} programs in {sum(seconds):.1f} s "
-              f"(total {time.perf_counter() - started:.1f} s)")
+        print(f"xlaserve: compiled {len(seconds)} programs ({sum(seconds):.1f} s of compiling) "
+              f"in {time.perf_counter() - started:.1f} s in all")
         return 0
     return asyncio.run(_serve(engine, args, started))
 

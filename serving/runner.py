@@ -3,7 +3,9 @@ and runs steps: forward over the paged cache, then on-device sampling, cache don
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -58,15 +60,24 @@ class ModelRunner:
             self.params, self.cache, batch, sampling).compile()
         return time.perf_counter() - started
 
-    def warmup(self, examples: list[StepArrays], progress: bool = True) -> list[float]:
-        """Compiles every shape before serving; returns the seconds each took."""
-        seconds = []
-        bar = tqdm(examples, desc="warm-up", unit="program", disable=not progress)
-        for ex in bar:
-            seconds.append(self.compile(ex.shape, ex))
-            bar.set_postfix_str(f"T={ex.shape[0]} R={ex.shape[1]} P={ex.shape[2]} "
-                                f"{seconds[-1]:.1f}s")
-        log.info("compiled %d step programs in %.1f s", len(seconds), sum(seconds))
+    def warmup(self, examples: list[StepArrays], progress: bool = True,
+               workers: int | None = None) -> list[float]:
+        """Compiles every shape before serving, `workers` programs at a time (default: one per
+        CPU core; XLA compiles a program on one thread). Returns the seconds each took."""
+        workers = workers or os.cpu_count() or 1
+        started = time.perf_counter()
+        seconds = [0.0] * len(examples)
+        bar = tqdm(total=len(examples), desc="warm-up", unit="program", disable=not progress)
+        with ThreadPoolExecutor(workers, thread_name_prefix="xlaserve-compile") as pool:
+            futures = {pool.submit(self.compile, ex.shape, ex): i for i, ex in enumerate(examples)}
+            for done in as_completed(futures):
+                i, shape = futures[done], examples[futures[done]].shape
+                seconds[i] = done.result()
+                bar.update()
+                bar.set_postfix_str(f"T={shape[0]} R={shape[1]} P={shape[2]} {seconds[i]:.1f}s")
+        bar.close()
+        log.info("compiled %d step programs in %.1f s (%d at a time)", len(examples),
+                 time.perf_counter() - started, workers)
         return seconds
 
     def dispatch(self, arrays: StepArrays):
