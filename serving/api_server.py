@@ -1,8 +1,10 @@
-"""The aiohttp OpenAI-compatible server: routes, errors, auth, admission, graceful shutdown.
+"""The aiohttp OpenAI-compatible server: routes, admission, graceful shutdown.
 
 Handlers validate and tokenize, split a request into one engine request per choice, and
-hand off to `serving.sse` to stream or collect the outputs. Every error leaves in OpenAI's
-envelope; nothing a client sends reaches the engine unvalidated or crashes the server.
+hand off to `serving.sse` to stream or collect the outputs. `serving.http_guard` wraps every
+handler (error envelope, API key, drain gate, hostile bodies), so every error leaves in
+OpenAI's envelope; nothing a client sends reaches the engine unvalidated or crashes the
+server. If the engine dies, run_server drains and returns 1.
 """
 from __future__ import annotations
 
