@@ -66,6 +66,16 @@ HOSTILE_INTS = [-(2 ** 64), -(2 ** 63), -(2 ** 31), -1, 0, 2 ** 31, 2 ** 63, 2 *
                 49151, 49152]
 
 
+# Every field of every route gets each of these in turn (tests/test_fuzz_api.py).
+SWEEP = [None, True, False, 0, 1, -1, 3, 2 ** 31, 2 ** 63, 2 ** 64, -(2 ** 63) - 1, 10 ** 30,
+         1.5, -0.0, 1e308, float("nan"), float("inf"), float("-inf"), "", "1", "\ud800",
+         "a\udfffb", "²", " 7 ", "x" * 30000, [], [[]], [-1], [1.0], [True], ["a", 1],
+         [2 ** 63], {}, {"1": 1e308}, {"²": 1}, {"9" * 5000: 1}, {"role": "user"}]
+AUTHORIZATIONS = [b"", b"Bearer", b"Bearer ", b"Basic abc", b"Bearer \xff\xfe",
+                  b"Bearer " + b"\x80" * 10, "Bearer ключ".encode(), b"Bearer " + b"k" * 6000,
+                  b"Bearer a b c", "Bearer 🔑".encode()]  # control bytes: MALFORMED
+
+
 def _deep(depth: int, leaf) -> object:
     for _ in range(depth):
         leaf = [leaf]

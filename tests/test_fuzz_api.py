@@ -1,7 +1,10 @@
-"""Fuzzing the HTTP API of the real server (demo model, loopback): request bodies drawn from
-the server's own /openapi.json schemas, the same bodies with hostile fields (wrong types,
-huge and negative numbers, NaN, lone surrogates, deep nesting, enormous prompts), raw
-requests (methods, paths, content types, invalid UTF-8, truncated JSON) and malformed HTTP.
+"""Fuzzing the HTTP API of the real server (demo model, loopback). Sweeps send every field of
+every route each hostile value in turn (wrong types, huge and negative numbers, NaN and
+infinities, lone surrogates, odd digits, enormous prompts, bad token-id lists), every
+content type with every raw body (invalid UTF-8, truncated and deep JSON), every method on
+every path, odd API-key headers. Hypothesis then draws bodies from the server's own
+/openapi.json schemas, the same bodies with hostile fields, and raw requests. Last,
+malformed HTTP.
 
 Every answer must be 2xx, or 4xx in OpenAI's error envelope: no 5xx, no hang (each request
 has a timeout), no error event inside a 200 stream. Afterwards the server still answers a
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.slow
 HANG_S = 120  # a request still unanswered after this long counts as a hang
 BATCH = 8  # requests sent at once per example: the engine batches them
 SENT: Counter = Counter()
-FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
+FUZZ = settings(max_examples=25, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
 
@@ -64,14 +67,23 @@ def check_answer(case, status: int, headers: dict, raw: bytes) -> None:
         assert "error" not in json.loads(raw), (case, raw[:300])
 
 
-def send_batch(live, pool, cases: list[tuple[str, str, dict, bytes]], kind: str) -> None:
+def send_all(port: int, pool, cases: list[tuple[str, str, dict, bytes]], kind: str,
+             expect: int | None = None) -> list[str]:
+    """Sends the cases, BATCH at a time; returns what went wrong, one line a case."""
     def one(case):
         method, path, headers, body = case
-        return request(live.port, method, path, body or None, headers, timeout=HANG_S)
+        return request(port, method, path, body or None, headers, timeout=HANG_S)
 
+    failures = []
     for case, (status, headers, raw) in zip(cases, pool.map(one, cases)):
         SENT[kind] += 1
-        check_answer(case, status, headers, raw)
+        try:
+            assert expect in (None, status), f"expected {expect}"
+            check_answer(case, status, headers, raw)
+        except (AssertionError, ValueError) as e:
+            method, path, headers, body = case
+            failures.append(f"{method} {path} {headers} {body[:120]!r}: {status} {e}"[:400])
+    return failures
 
 
 def json_case(path: str, body) -> tuple[str, str, dict, bytes]:
@@ -122,6 +134,33 @@ def test_every_described_field_is_validated_under_its_name(live, schemas):
     assert checked > 50
 
 
+# -- sweeps: every field, content type, method, path and key header, each hostile value ------
+
+def test_sweep_every_field_with_hostile_values(live, schemas, pool):
+    cases = [json_case(path, cheap(path, {**_base(path), field: value}))
+             for path, schema in schemas.items() for field in sorted(schema["properties"])
+             for value in fs.SWEEP]
+    failures = send_all(live.port, pool, cases, "field sweep")
+    assert not failures, "\n".join(failures[:30])
+
+
+def test_sweep_raw_requests(live, pool):
+    cases = [("POST", "/v1/completions", {"Content-Type": t} if t else {}, body)
+             for t in fs.CONTENT_TYPES for body in fs.RAW_BODIES]
+    cases += [(method, path, {"Content-Type": "application/json"}, fs.VALID)
+              for method in fs.METHODS for path in fs.PATHS]
+    failures = send_all(live.port, pool, cases, "raw sweep")
+    assert not failures, "\n".join(failures[:30])
+
+
+def test_sweep_authorization_headers(live, pool):
+    cases = [(method, path, {"Authorization": value}, fs.VALID)
+             for value in fs.AUTHORIZATIONS
+             for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"))]
+    failures = send_all(live.auth_port, pool, cases, "key sweep", expect=401)
+    assert not failures, "\n".join(failures[:30])
+
+
 # -- fuzzing -----------------------------------------------------------------------------------
 
 def draw_batch(data, schemas: dict, bodies) -> list[tuple[str, str, dict, bytes]]:
@@ -133,25 +172,25 @@ def draw_batch(data, schemas: dict, bodies) -> list[tuple[str, str, dict, bytes]
     return cases
 
 
-@settings(FUZZ, max_examples=12)
+@settings(FUZZ, max_examples=8)
 @given(data=st.data())
 def test_fuzz_bodies_from_the_description(live, schemas, pool, data):
     cases = draw_batch(data, schemas, lambda path: fs.from_schema(schemas[path]))
-    send_batch(live, pool, cases, "described bodies")
+    assert not send_all(live.port, pool, cases, "described bodies")
 
 
-@settings(FUZZ, max_examples=36)
+@settings(FUZZ, max_examples=20)
 @given(data=st.data())
 def test_fuzz_hostile_fields(live, schemas, pool, data):
     def bodies(path):
         return fs.mutated(fs.from_schema(schemas[path]), sorted(schemas[path]["properties"]))
-    send_batch(live, pool, draw_batch(data, schemas, bodies), "hostile fields")
+    assert not send_all(live.port, pool, draw_batch(data, schemas, bodies), "hostile fields")
 
 
 @FUZZ
 @given(cases=st.lists(fs.raw_requests(), min_size=BATCH, max_size=BATCH))
 def test_fuzz_raw_requests(live, pool, cases):
-    send_batch(live, pool, cases, "raw requests")
+    assert not send_all(live.port, pool, cases, "raw requests")
 
 
 # -- malformed HTTP --------------------------------------------------------------------------
