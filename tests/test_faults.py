@@ -76,6 +76,22 @@ def test_one_requests_fault_fails_only_that_request(shared_server):
     assert post(live.port, "/v1/completions", body(101, 4))[0] == 200  # fault off: served
 
 
+def test_a_request_the_engine_cannot_add_gets_an_error(shared_server, monkeypatch):
+    """Any exception while adding a request reaches its client (it used to be logged only,
+    leaving the client waiting forever)."""
+    live = shared_server
+
+    def broken(*args):
+        raise RuntimeError("tokenizer state lost")
+    monkeypatch.setattr(live.engine, "add_request", broken)
+    status, err = post(live.port, "/v1/completions", body(1, 4))
+    assert_error(status, err, 500, type_="server_error")
+    assert "tokenizer state lost" in err["error"]["message"]
+    monkeypatch.undo()
+    assert post(live.port, "/v1/completions", body(1, 4))[0] == 200
+    live.wait_idle()
+
+
 # -- the engine dies ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
