@@ -255,13 +255,12 @@ servers within one run, as ratios, not across runs.
 
 
 DOC_TAIL = """
-## Changes (issue 7)
+## Changes
 
-Each change to the serving path with its measured effect, before and after, from
-side-by-side runs (same levels, same machine).
+Each change to the serving path with its measured effect, before and after.
 
-| change | streams | output tok/s before -> after | median TTFT before -> after | median TPOT before -> after |
-|---|---:|---:|---:|---:|
+| change | what it removes | measured effect |
+|---|---|---|
 """
 
 
