@@ -8,6 +8,7 @@ the engine does. Sampling is not included.
 
     python scripts/bench_step.py                                   # the demo model, float32
     python scripts/bench_step.py --shapes 1x1x16,64x64x16 --attention-backend reference
+    python scripts/bench_step.py --no-attention        # the matmuls and the rest alone
 """
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ def main() -> int:
     p.add_argument("--context", type=int, default=200, help="decode position + 1")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-attention", action="store_true",
+                   help="attention replaced by the identity: what the rest of a step costs")
     args = p.parse_args()
+    if args.no_attention:
+        import model.transformer
+        model.transformer.paged_attention = lambda q, *args, **kwargs: q
     model_dir = resolve_model_dir(args.model)
     cfg, params = load_model(model_dir, args.dtype, progress=False, quantize=args.quantize)
     params = prepare_params(params)
