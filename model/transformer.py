@@ -54,15 +54,14 @@ class DecoderLayer(nn.Module):
     backend: str
 
     @nn.compact
-    def __call__(self, carry, layer, window, batch: Batch):
-        x, cache = carry
+    def __call__(self, x, cache: KVCache, layer: int, window, batch: Batch):
         cfg = self.cfg
         h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x)
         h, cache = Attention(cfg, self.backend, name="attn")(h, cache, layer, window, batch)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_norm")(x)
         x = x + MLP(cfg, name="mlp")(h)
-        return (x, cache), None
+        return x, cache
 
 
 def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference"):
@@ -76,8 +75,8 @@ def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str
     layer = DecoderLayer(cfg, backend)
     windows = cfg.sliding_windows or (0,) * cfg.num_layers
     for i in range(cfg.num_layers):
-        (x, cache), _ = layer.apply({"params": params["layers"][i]}, (x, cache), i,
-                                    jnp.int32(windows[i]), batch)
+        x, cache = layer.apply({"params": params["layers"][i]}, x, cache, i,
+                               jnp.int32(windows[i]), batch)
     x = x[batch.logits_indices]
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, x)
     if cfg.tie_word_embeddings:
@@ -104,7 +103,7 @@ def _init(cfg: ModelConfig, key):
     cache = KVCache.zeros(cfg, 1, 1)
     x = jnp.zeros((1, cfg.hidden_size), cfg.dtype)
     init_layer = lambda k: DecoderLayer(cfg, "reference").init(
-        k, (x, cache), 0, jnp.int32(0), batch)["params"]
+        k, x, cache, 0, jnp.int32(0), batch)["params"]
     params = {
         "embed": nn.initializers.normal(0.02)(k_embed, (cfg.vocab_size, cfg.hidden_size),
                                               cfg.dtype),
