@@ -16,6 +16,7 @@ import time
 from aiohttp import web
 
 from serving import protocol as p
+from serving import responses
 from serving import sse
 from serving.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
                                 read_json)
@@ -92,7 +93,7 @@ def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
     for i in range(params.n):
         seed = None if params.seed is None else params.seed + i
         one = dataclasses.replace(params, n=1, seed=seed)
-        out.append(sse.Choice(first_index + i, p.new_id("req"), prompt_ids, one, prompt_index,
+        out.append(sse.Choice(first_index + i, responses.new_id("req"), prompt_ids, one, prompt_index,
                               prompt_text))
     return out
 
@@ -145,7 +146,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices += _choices(ids, i, params, i * req.params.n, echo)
     _check_sampling_ids(req.params, _vocab_size(tokenizer))
     texts = state.token_texts() if req.params.logprobs is not None else None
-    fmt = sse.CompletionFormat(p.new_id("cmpl"), state.model, texts, req.include_usage)
+    fmt = sse.CompletionFormat(responses.new_id("cmpl"), state.model, texts, req.include_usage)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
 
 
@@ -162,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
     _check_sampling_ids(params, _vocab_size(tokenizer))
     texts = state.token_texts() if req.logprobs else None
-    fmt = sse.ChatFormat(p.new_id("chatcmpl"), state.model, texts, req.include_usage)
+    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage)
     return await _respond(request, state, _choices(ids, 0, params, 0), fmt, req.stream,
                           arrival)
 

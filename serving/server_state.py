@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from serving import protocol as p
+from serving import responses
 from serving import sse
 from serving.metrics import Metrics
 
@@ -24,7 +25,7 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-    created: int = field(default_factory=p.now)
+    created: int = field(default_factory=responses.now)
     _texts: sse.TokenTexts | None = None
 
     def token_texts(self) -> sse.TokenTexts:

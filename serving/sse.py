@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from serving import protocol as p
+from serving import responses
 from serving.async_engine import EngineDeadError
 from serving.outputs import RequestOutput, TokenLogprob
 from serving.sampling_params import SamplingParams
@@ -164,15 +165,15 @@ class _Format:
                  include_usage: bool):
         self.request_id, self.model, self.texts = request_id, model, texts
         self.include_usage = include_usage
-        self.created = p.now()
+        self.created = responses.now()
 
-    def entries(self, logprobs: list[TokenLogprob] | None) -> list[p.LogprobEntry] | None:
+    def entries(self, logprobs: list[TokenLogprob] | None) -> list[responses.LogprobEntry] | None:
         if self.texts is None:
             return None
         return [self.texts.entry(lp) for lp in (logprobs or [])]
 
     def usage_chunk(self, usage: dict) -> dict:
-        return p.usage_chunk(self.chunk_object, self.request_id, self.model, self.created, usage)
+        return responses.usage_chunk(self.chunk_object, self.request_id, self.model, self.created, usage)
 
 
 class CompletionFormat(_Format):
@@ -182,35 +183,35 @@ class CompletionFormat(_Format):
         if not choice.prompt_text:
             return []
         choice.text_offset = len(choice.prompt_text)
-        return [p.completion_chunk(self.request_id, self.model, self.created, choice.index,
+        return [responses.completion_chunk(self.request_id, self.model, self.created, choice.index,
                                    choice.prompt_text, include_usage=self.include_usage)]
 
     def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
         entries = self.entries(out.new_logprobs)
         if not (out.new_text or out.finished or entries):
             return None
-        logprobs = None if entries is None else p.completion_logprobs(entries, choice.text_offset)
+        logprobs = None if entries is None else responses.completion_logprobs(entries, choice.text_offset)
         choice.text_offset += len(out.new_text)
-        return p.completion_chunk(
+        return responses.completion_chunk(
             self.request_id, self.model, self.created, choice.index, out.new_text,
             out.finish_reason if out.finished else None, logprobs,
             out.stop_reason if out.finished else None, include_usage=self.include_usage)
 
     def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
         entries = self.entries(logprobs)
-        lp = None if entries is None else p.completion_logprobs(entries, len(choice.prompt_text))
-        return p.completion_choice(choice.index, choice.prompt_text + out.text,
+        lp = None if entries is None else responses.completion_logprobs(entries, len(choice.prompt_text))
+        return responses.completion_choice(choice.index, choice.prompt_text + out.text,
                                    out.finish_reason, lp, out.stop_reason)
 
     def response(self, choices: list[dict], usage: dict) -> dict:
-        return p.completion_response(self.request_id, self.model, self.created, choices, usage)
+        return responses.completion_response(self.request_id, self.model, self.created, choices, usage)
 
 
 class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
     def opening(self, choice: Choice) -> list[dict]:
-        return [p.chat_chunk(self.request_id, self.model, self.created, choice.index,
+        return [responses.chat_chunk(self.request_id, self.model, self.created, choice.index,
                              {"role": "assistant", "content": ""},
                              include_usage=self.include_usage)]
 
@@ -219,25 +220,25 @@ class ChatFormat(_Format):
         if not (out.new_text or out.finished or entries):
             return None
         delta = {"content": out.new_text} if out.new_text else {}
-        logprobs = None if entries is None else p.chat_logprobs(entries)
-        return p.chat_chunk(self.request_id, self.model, self.created, choice.index, delta,
+        logprobs = None if entries is None else responses.chat_logprobs(entries)
+        return responses.chat_chunk(self.request_id, self.model, self.created, choice.index, delta,
                             out.finish_reason if out.finished else None, logprobs,
                             out.stop_reason, include_usage=self.include_usage)
 
     def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
         entries = self.entries(logprobs)
-        lp = None if entries is None else p.chat_logprobs(entries)
-        return p.chat_choice(choice.index, out.text, out.finish_reason, lp, out.stop_reason)
+        lp = None if entries is None else responses.chat_logprobs(entries)
+        return responses.chat_choice(choice.index, out.text, out.finish_reason, lp, out.stop_reason)
 
     def response(self, choices: list[dict], usage: dict) -> dict:
-        return p.chat_response(self.request_id, self.model, self.created, choices, usage)
+        return responses.chat_response(self.request_id, self.model, self.created, choices, usage)
 
 
 def count_usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
     """Prompt tokens once per prompt (not once per choice), as OpenAI counts."""
     prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
     completion = sum(len(out.token_ids) for out in finals.values())
-    return p.usage(sum(prompts.values()), completion)
+    return responses.usage(sum(prompts.values()), completion)
 
 
 # -- writing -------------------------------------------------------------------------------
@@ -356,10 +357,10 @@ class TokenTexts:
             self._cache[token_id] = (text, list(raw))
         return self._cache[token_id]
 
-    def entry(self, lp: TokenLogprob) -> p.LogprobEntry:
+    def entry(self, lp: TokenLogprob) -> responses.LogprobEntry:
         text, raw = self.get(lp.token_id)
         top = [(*self.get(t), _finite(v)) for t, v in lp.top]
-        return p.LogprobEntry(text, raw, _finite(lp.logprob), top)
+        return responses.LogprobEntry(text, raw, _finite(lp.logprob), top)
 
 
 def _finite(x: float) -> float:

@@ -3,7 +3,6 @@ aiohttp server against a fake engine (SSE framing, n > 1, usage, errors, disconn
 metrics, drain). The fake engine "generates" the prompt's tokens in reverse."""
 import asyncio
 import json
-import math
 import os
 import signal
 import socket
@@ -19,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from serving import protocol as p
+from serving import responses
 from serving.api_server import build_app, run_server
 from serving.detokenizer import IncrementalDetokenizer
 from serving.outputs import RequestOutput, TokenLogprob
@@ -166,35 +166,36 @@ def test_check_context():
 
 
 def test_response_shapes():
-    u = p.usage(3, 4)
+    u = responses.usage(3, 4)
     assert u == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    rid = p.new_id("chatcmpl")
+    rid = responses.new_id("chatcmpl")
     assert rid.startswith("chatcmpl-") and len(rid) > 20
-    resp = p.chat_response(rid, MODEL, 1, [p.chat_choice(0, "hey", "stop")], u)
+    resp = responses.chat_response(rid, MODEL, 1, [responses.chat_choice(0, "hey", "stop")], u)
     assert resp["object"] == "chat.completion" and resp["usage"] == u
     assert resp["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
-    chunk = p.chat_chunk(rid, MODEL, 1, 1, {"content": "x"}, include_usage=True)
+    chunk = responses.chat_chunk(rid, MODEL, 1, 1, {"content": "x"}, include_usage=True)
     assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
     assert chunk["choices"][0] == {"index": 1, "delta": {"content": "x"}, "logprobs": None,
                                    "finish_reason": None}
-    c = p.completion_chunk("cmpl-1", MODEL, 1, 0, "t", "length")
+    c = responses.completion_chunk("cmpl-1", MODEL, 1, 0, "t", "length")
     assert c["object"] == "text_completion" and c["choices"][0]["finish_reason"] == "length"
     assert "usage" not in c
-    last = p.usage_chunk("text_completion", "cmpl-1", MODEL, 1, u)
+    last = responses.usage_chunk("text_completion", "cmpl-1", MODEL, 1, u)
     assert last["choices"] == [] and last["usage"] == u
-    entries = [p.LogprobEntry("ab", [97, 98], -0.1, [("ab", [97, 98], -0.1), ("c", [99], -2.0)]),
-               p.LogprobEntry("d", [100], -0.5, [])]
-    assert p.completion_logprobs(entries, 3) == {
+    entries = [responses.LogprobEntry("ab", [97, 98], -0.1, [("ab", [97, 98], -0.1), ("c", [99], -2.0)]),
+               responses.LogprobEntry("d", [100], -0.5, [])]
+    assert responses.completion_logprobs(entries, 3) == {
         "tokens": ["ab", "d"], "token_logprobs": [-0.1, -0.5],
         "top_logprobs": [{"ab": -0.1, "c": -2.0}, {}], "text_offset": [3, 5]}
-    assert p.chat_logprobs(entries[:1]) == {"content": [
+    assert responses.chat_logprobs(entries[:1]) == {"content": [
         {"token": "ab", "logprob": -0.1, "bytes": [97, 98],
          "top_logprobs": [{"token": "ab", "logprob": -0.1, "bytes": [97, 98]},
                           {"token": "c", "logprob": -2.0, "bytes": [99]}]}]}
 
 
 def test_host_modules_import_no_jax_or_aiohttp():
-    code = ("import sys, serving.protocol, serving.detokenizer, serving.metrics; "
+    code = ("import sys, serving.protocol, serving.responses, serving.detokenizer, "
+            "serving.metrics; "
             "bad = [m for m in ('jax', 'aiohttp') if m in sys.modules]; "
             "assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -341,7 +342,7 @@ def test_completions_non_stream(engine, tokenizer):
             assert [c["text"] for c in body["choices"]] == [texts[0]] * 2 + [texts[1]] * 2
             assert all(c["finish_reason"] == "length" for c in body["choices"])
             n_prompt = [len(tokenizer.encode(t)) for t in ("hello world", "the fox")]
-            assert body["usage"] == p.usage(sum(n_prompt), sum(min(4, n) * 2 for n in n_prompt))
+            assert body["usage"] == responses.usage(sum(n_prompt), sum(min(4, n) * 2 for n in n_prompt))
             seeds = [params.seed for _, _, params in engine.requests]
             assert seeds == [7, 8, 7, 8] and all(prm.n == 1 for _, _, prm in engine.requests)
             assert len({rid for rid, _, _ in engine.requests}) == 4
