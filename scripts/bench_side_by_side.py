@@ -10,9 +10,7 @@ of the file is kept), docs/benchmarks.png and docs/benchmarks.json. It is a benc
 
 llama-server is built once (CPU, Release) from the llama.cpp sources inside the llama-cpp-python
 sdist on PyPI, into ~/.cache/xlaserve/llama.cpp (outside the repository). The HF baseline is
-`python scripts/bench_side_by_side.py hf-server --model DIR --port P`: a minimal OpenAI
-streaming server over transformers `generate` with static batches (requests that arrive while
-a batch runs wait for the next one).
+scripts/hf_baseline_server.py.
 """
 from __future__ import annotations
 
@@ -137,7 +135,7 @@ def server_command(name: str, args, port: int | str, hf_dir: Path) -> list[str]:
         return [str(ensure_llama_server()), "-m", str(demo_gguf_path()), "--host", "127.0.0.1",
                 "--port", str(port), "--parallel", str(args.slots), "-c", str(args.slots * max_len),
                 "-t", str(args.threads), "-tb", str(args.threads), *shlex.split(args.llama_args)]
-    return [sys.executable, str(Path(__file__).resolve()), "hf-server", "--model", str(hf_dir),
+    return [sys.executable, str(ROOT / "scripts" / "hf_baseline_server.py"), "--model", str(hf_dir),
             "--port", str(port), "--max-batch", str(args.slots), "--threads", str(args.threads)]
 
 
@@ -334,138 +332,5 @@ def main(argv=None) -> int:
     return 0
 
 
-# -- the transformers baseline server -----------------------------------------------------------
-
-class _BatchStreamer:
-    """A transformers streamer for a batch: generate() calls put() with the prompt ids, then with
-    each step's new token per row; every row's new text goes to its request's asyncio queue."""
-
-    def __init__(self, jobs, tokenizer, loop):
-        self.jobs, self.tok, self.loop = jobs, tokenizer, loop
-        self.ids = [[] for _ in jobs]
-        self.sent = ["" for _ in jobs]
-        self.done = [False for _ in jobs]
-        self.prompt_seen = False
-
-    def _emit(self, i: int, text: str, finish: str | None) -> None:
-        self.loop.call_soon_threadsafe(self.jobs[i]["queue"].put_nowait, (text, finish))
-
-    def put(self, value) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        for i, token in enumerate(value.reshape(-1).tolist()):
-            job = self.jobs[i]
-            if self.done[i]:
-                continue
-            if token in job["eos"] and not job["ignore_eos"]:
-                self.done[i] = True
-                self._emit(i, "", "stop")
-                continue
-            self.ids[i].append(token)
-            text = self.tok.decode(self.ids[i], skip_special_tokens=True)
-            new = "" if text.endswith("\ufffd") else text[len(self.sent[i]):]
-            self.sent[i] += new
-            self.done[i] = len(self.ids[i]) >= job["max_tokens"]
-            self._emit(i, new, "length" if self.done[i] else None)
-
-    def end(self) -> None:
-        for i, done in enumerate(self.done):
-            if not done:
-                self._emit(i, "", "length")
-
-
-def hf_app(model_dir: str, max_batch: int):
-    import torch
-    from aiohttp import web
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = set(model.generation_config.eos_token_id if isinstance(
-        model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
-    pending: asyncio.Queue = asyncio.Queue()
-    name = Path(model_dir).name
-
-    def generate(jobs, loop) -> None:
-        enc = tok([j["prompt"] for j in jobs], return_tensors="pt", padding=True)
-        new = max(j["max_tokens"] for j in jobs)
-        extra = {"min_new_tokens": new} if all(j["ignore_eos"] for j in jobs) else {}
-        streamer = _BatchStreamer(jobs, tok, loop)
-        with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=pad,
-                           streamer=streamer, **extra)
-
-    async def batcher(app):
-        async def loop_forever():
-            while True:
-                jobs = [await pending.get()]
-                while len(jobs) < max_batch and not pending.empty():
-                    jobs.append(pending.get_nowait())
-                try:
-                    await asyncio.to_thread(generate, jobs, asyncio.get_running_loop())
-                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-                    for j in jobs:
-                        j["queue"].put_nowait((f"[error: {e}]", "error"))
-        task = asyncio.create_task(loop_forever())
-        yield
-        task.cancel()
-
-    async def completions(request):
-        body = await request.json()
-        prompt = body["prompt"]
-        job = {"prompt": prompt, "max_tokens": int(body.get("max_tokens", 16)),
-               "ignore_eos": bool(body.get("ignore_eos")), "eos": eos, "queue": asyncio.Queue()}
-        await pending.put(job)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        created, count = int(time.time()), 0
-        while True:
-            text, finish = await job["queue"].get()
-            count += finish != "stop"
-            chunk = {"id": "cmpl-hf", "object": "text_completion", "created": created,
-                     "model": name, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if finish:
-                break
-        if (body.get("stream_options") or {}).get("include_usage"):
-            n_in = len(tok(prompt)["input_ids"])
-            usage = {"prompt_tokens": n_in, "completion_tokens": count,
-                     "total_tokens": n_in + count}
-            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
-
-    async def health(request):
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.cleanup_ctx.append(batcher)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
-
-
-def hf_server_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="bench_side_by_side.py hf-server")
-    p.add_argument("--model", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
-    import torch
-    from aiohttp import web
-    torch.set_num_threads(args.threads)
-    web.run_app(hf_app(args.model, args.max_batch), host="127.0.0.1", port=args.port)
-    return 0
-
-
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "hf-server":
-        sys.exit(hf_server_main(sys.argv[2:]))
     sys.exit(main())
