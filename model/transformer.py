@@ -79,7 +79,7 @@ def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str
                                jnp.int32(windows[i]), batch)
     x = x[batch.logits_indices]
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, x)
-    if cfg.tie_word_embeddings:
+    if "lm_head" not in params:  # tied, and not packed apart by prepare_params
         logits = matmul_t(x, params["embed"])
     else:
         logits = matmul(x, params["lm_head"]["kernel"])

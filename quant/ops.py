@@ -4,6 +4,7 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
 - int8 or fp8, per output channel (weight-only, W8A16): `x @ convert(values)` accumulated in
   float32, then times the channel scales. The widening convert is what XLA's Triton GEMM
   fusion can absorb, and the scale is an epilogue multiply on [T, out], not on the weight.
+- int8 per output channel, packed for our CPU kernel (quant/packed.py): the kernel.
 - fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
   scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
   the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).
@@ -15,13 +16,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from quant import packed
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def matmul(x, w):
-    """x: [..., in] @ w: [in, out] (an array or a QuantArray) -> [..., out] in x's dtype."""
+    """x: [..., in] @ w: [in, out] (an array, a QuantArray or a PackedQ8) -> [..., out] in
+    x's dtype."""
+    if isinstance(w, packed.PackedQ8):
+        return packed.matmul(x, w)
     if not isinstance(w, QuantArray):
         return x @ w.astype(x.dtype)
     if w.scale.shape[-2] != 1 or w.ndim != 2:

@@ -1,0 +1,103 @@
+"""Our C++ CPU kernels (`pallas_kernels/cpu/*.cc`), built on first use and called through
+the XLA FFI.
+
+XLA:CPU has no fast kernel for int8 weights on AVX2 machines and runs paged decode attention
+as gathers plus small batched dots. The kernels here fill those two gaps on CPUs; GPUs run
+the Pallas kernels. They are compiled with the system C++ compiler (`-O3 -march=native`)
+into `~/.cache/xlaserve/cpu-kernels` (or `$XLASERVE_CPU_KERNEL_DIR`), keyed by the sources,
+the flags, the jaxlib version and the CPU, so a second process loads the library at once.
+
+`available()` is False where there is no compiler or no x86-64 AVX2/FMA CPU; callers then
+keep the plain-XLA path. `XLASERVE_CPU_KERNELS=0` turns the kernels off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+SOURCE_DIR = Path(__file__).parent / "cpu"
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+# kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
+# handler `xlaserve_<name>`.
+KERNELS = ("q8_matmul", "paged_attention")
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [l for l in text.splitlines() if l.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cpu_supported() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = _cpu_signature()
+    return " avx2" in flags and " fma" in flags
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "xlaserve" / "cpu-kernels"
+    return Path(os.environ.get("XLASERVE_CPU_KERNEL_DIR", default))
+
+
+def _library_path(compiler: str, source: Path) -> Path:
+    h = hashlib.sha256()
+    for src in [source, *sorted(SOURCE_DIR.glob("*.h"))]:
+        h.update(src.name.encode() + src.read_bytes())
+    h.update(" ".join([compiler, *FLAGS, jaxlib.__version__, _cpu_signature()]).encode())
+    return cache_dir() / f"{source.stem}_{h.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, source: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building the CPU kernel {source.name} failed:\n"
+                               f"{' '.join(cmd)}\n{done.stderr[-4000:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent builder sees all of it or nothing
+
+
+def _compiler() -> str | None:
+    if os.environ.get("XLASERVE_CPU_KERNELS", "1") == "0" or not _cpu_supported():
+        return None
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+@functools.cache
+def _load(kernel: str) -> bool:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown CPU kernel {kernel!r}; there are {', '.join(KERNELS)}")
+    compiler = _compiler()
+    if compiler is None:
+        return False
+    source = SOURCE_DIR / f"{kernel}.cc"
+    path = _library_path(compiler, source)
+    if not path.exists():
+        _build(compiler, source, path)
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    name = f"xlaserve_{kernel}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    return True
+
+
+def available(kernel: str) -> bool:
+    """True when `kernel` (one of KERNELS) is built, building it now if needed, and
+    registered as the FFI target `xlaserve_<kernel>`. A build that fails raises: a broken
+    kernel must not pass for a missing compiler."""
+    return _load(kernel)

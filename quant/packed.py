@@ -1,0 +1,61 @@
+"""PackedQ8: an int8 weight laid out for the CPU kernel (pallas_kernels/q8_matmul_cpu.py).
+
+Made once at load from a QuantArray with one scale per output channel; `quant.ops.matmul`
+sends it to the kernel. Checkpoints never hold it: it is a run-time form, like the joined
+projections of model/runtime_params.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu_ffi
+from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul, unpack_panels
+from quant.array import QuantArray
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PackedQ8:
+    panels: jax.Array  # int8[in, out], bytes in panel order (see pack_panels)
+    scale: jax.Array  # float32[1, out]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.panels.shape)
+
+    def unpack(self) -> QuantArray:
+        return QuantArray(unpack_panels(self.panels), self.scale)
+
+
+def kernels_available() -> bool:
+    """Whether weights should be packed: a CPU backend with the kernel built."""
+    return jax.default_backend() == "cpu" and cpu_ffi.available("q8_matmul")
+
+
+def packable(w) -> bool:
+    """An int8 [in, out] QuantArray, per output channel, in whole panels."""
+    return (isinstance(w, QuantArray) and w.ndim == 2 and w.scheme == "int8"
+            and tuple(w.scale.shape) == (1, w.shape[1])
+            and w.shape[1] % PANEL == 0 and w.shape[0] % 4 == 0)
+
+
+def pack(w: QuantArray) -> PackedQ8:
+    return PackedQ8(pack_panels(w.values), w.scale.reshape(1, -1).astype(jnp.float32))
+
+
+def pack_head(table: QuantArray) -> PackedQ8 | None:
+    """The tied head from an int8 embedding table [vocab, hidden] with per-row scales, or
+    None when the table is not in that form."""
+    if not (isinstance(table, QuantArray) and table.scheme == "int8"
+            and table.ndim == 2 and table.scale.shape[-1] == 1):
+        return None
+    head = QuantArray(table.values.T, table.scale.T)  # [hidden, vocab], per output channel
+    return pack(head) if packable(head) else None
+
+
+def matmul(x, w: PackedQ8):
+    """x: [..., in] @ w -> [..., out] in x's dtype."""
+    return q8_matmul(x, w.panels, w.scale)
