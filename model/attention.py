@@ -2,8 +2,10 @@
 
 Model code never picks a backend; `backend` comes from the engine's configuration:
 - "reference": pure jnp (pallas_kernels.ragged_paged_attention), any device: the spec.
+- "cpu": a C++ kernel called through the XLA FFI (pallas_kernels.ragged_paged_attention_cpu);
+  what "auto" picks off-GPU where it builds (g++ and an x86-64 AVX2/FMA CPU).
 - "blocked": plain XLA shaped for CPUs (pallas_kernels.ragged_paged_attention_blocked); what
-  "auto" picks off-GPU.
+  "auto" picks off-GPU where the C++ kernel is unavailable.
 - "pallas": the ragged paged-attention Pallas kernel (Triton lowering); compiled on a GPU,
   run by the Pallas interpreter elsewhere (slow: for tests).
 """
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import cpu_ffi
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
+from pallas_kernels.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention
 
-BACKENDS = ("reference", "blocked", "pallas")
+BACKENDS = ("reference", "blocked", "cpu", "pallas")
 
 # None: interpret the Pallas kernels unless the default backend is a GPU. Tests that
 # cross-lower for CUDA on a CPU host set it to False.
@@ -25,7 +29,9 @@ PALLAS_INTERPRET: bool | None = None
 def resolve_backend(name: str) -> str:
     """'auto' -> the best backend for the default device; other names are checked."""
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "blocked"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        return "cpu" if cpu_ffi.available("paged_attention") else "blocked"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, "
                          + ", ".join(BACKENDS))
@@ -51,6 +57,8 @@ def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
         return ragged_paged_attention_reference(*args)
     if backend == "blocked":
         return ragged_paged_attention_blocked(*args)
+    if backend == "cpu":
+        return ragged_paged_attention_cpu(*args)
     if backend == "pallas":
         return ragged_paged_attention(*args, interpret=pallas_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

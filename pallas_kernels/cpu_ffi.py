@@ -7,8 +7,8 @@ the Pallas kernels. They are compiled with the system C++ compiler (`-O3 -march=
 into `~/.cache/xlaserve/cpu-kernels` (or `$XLASERVE_CPU_KERNEL_DIR`), keyed by the sources,
 the flags, the jaxlib version and the CPU, so a second process loads the library at once.
 
-`available()` is False where there is no compiler or no x86-64 AVX2/FMA CPU; callers then
-keep the plain-XLA path. `XLASERVE_CPU_KERNELS=0` turns the kernels off.
+`available(kernel)` is False where there is no compiler or no x86-64 AVX2/FMA CPU; callers
+then keep the plain-XLA path. `XLASERVE_CPU_KERNELS=0` turns the kernels off.
 """
 from __future__ import annotations
 

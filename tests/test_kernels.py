@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import cpu_ffi
 from pallas_kernels.block_sizes import AttentionBlockSizes, attention_block_sizes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
+from pallas_kernels.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_kernel import (
     max_query_blocks, query_blocks, ragged_paged_attention)
 from pallas_kernels.testing import layout, random_case
@@ -165,6 +167,58 @@ def test_blocked_matches_reference(c):
         _check(fn(*args)[:n], ref_fn(*args)[:n], c["dtype"], what)
 
 
+# The C++ kernel (attention backend "cpu") on the blocked form's configs. The engine's padding
+# tokens sit at position 0 of the last request row, where the reference is defined too, so
+# every row is compared.
+def _cpu_fn():
+    assert cpu_ffi.available("paged_attention"), "the C++ kernel must build here (g++, AVX2)"
+    return jax.jit(ragged_paged_attention_cpu, static_argnums=(8,))
+
+
+@pytest.mark.skipif(NATIVE, reason="a CPU path; the GPU run checks the kernel")
+@pytest.mark.parametrize("c", BLOCKED_CONFIGS)
+def test_cpu_kernel_matches_reference(c):
+    rng = np.random.default_rng(zlib.crc32(c["dtype"].__name__.encode() + bytes(c["tokens"])))
+    fn = _cpu_fn()
+    ref_fn = jax.jit(ragged_paged_attention_reference, static_argnums=(8,))
+    lowered = fn.lower(*next(_cases(c, np.random.default_rng(0)))[2]).as_text()
+    assert "xlaserve_paged_attention" in lowered  # the FFI call, not the blocked fallback
+    for q_lens, what, args in _cases(c, rng):
+        _check(fn(*args), ref_fn(*args), c["dtype"], what)
+
+
+@pytest.mark.skipif(NATIVE, reason="a CPU path")
+def test_cpu_kernel_layer_traced_or_static_and_out_of_range_indices():
+    """`layer` as a Python int or a traced scalar; positions past the table, request rows past
+    the table and page ids past the cache are clamped as XLA's gathers clamp them, and a token
+    with no visible key gets zeros (the reference: NaN)."""
+    rng = np.random.default_rng(3)
+    case = random_case(rng, q_lens=[3, 1, 1, 1], ctx_lens=[40, 17, 9, 30], num_tokens=8,
+                       num_reqs=4, pages_per_req=4, num_heads=8, num_kv_heads=2, head_dim=64,
+                       page_size=16, num_layers=3, layer=1)
+    args = list(case.args(jnp.int32(0), 0.3))
+    ref = ragged_paged_attention_reference(*args)
+    fn = _cpu_fn()
+    _check(fn(*args), ref, F32, "static layer")
+    traced = jax.jit(lambda layer, *a: ragged_paged_attention_cpu(*a[:3], layer, *a[3:], 0.3))
+    _check(traced(jnp.int32(1), *args[:3], *args[4:8]), ref, F32, "traced layer")
+
+    num_pages = case.k_cache.shape[1]
+    args[4] = case.positions.at[3].set(1000)  # past the 64 keys a row holds
+    args[5] = case.req_indices.at[4].set(99)  # past the 4 rows
+    args[6] = case.page_table.at[1, 1].set(num_pages + 5)  # request 1's second page
+    args[4] = args[4].at[5].set(-1)  # no visible key
+    out, ref = fn(*args), ragged_paged_attention_reference(*args)
+    keep = np.arange(8) != 5
+    _check(out[keep], ref[keep], F32, "clamped indices")
+    assert (np.asarray(out[5]) == 0).all()
+
+
+def test_auto_backend_is_the_cpu_kernel_here():
+    from model.attention import resolve_backend
+    assert resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "cpu")
+
+
 def test_check_catches_a_wrong_element_and_a_wrong_page():
     """Negative controls: the comparison fails on one corrupted element, and the data is such
     that reading the wrong page changes the answer."""
@@ -280,6 +334,17 @@ def test_engine_pallas_matches_reference_on_tiny_mistral(tiny_mistral, monkeypat
     prompts = [rng.integers(3, 211, n).tolist() for n in (5, 20, 33)]
     want = greedy_tokens(tiny_mistral, "reference", prompts, max_tokens=10, load_format="dummy")
     got = greedy_tokens(tiny_mistral, "pallas", prompts, max_tokens=10, load_format="dummy")
+    assert got == want
+
+
+@pytest.mark.skipif(NATIVE, reason="a CPU path")
+def test_engine_cpu_kernel_matches_reference_on_tiny_mistral(tiny_mistral):
+    """The kernel inside the model: 3 layers of one cache array, a window of 7, head dim 12,
+    prompts longer than a 16-token step."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 211, n).tolist() for n in (5, 20, 33)]
+    want = greedy_tokens(tiny_mistral, "reference", prompts, max_tokens=10, load_format="dummy")
+    got = greedy_tokens(tiny_mistral, "cpu", prompts, max_tokens=10, load_format="dummy")
     assert got == want
 
 

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -22,7 +23,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kNR = 16;           // output channels per panel: two AVX2 registers
-constexpr int64_t kDirectRows = 3;    // up to this many rows, widen in registers per tile
+constexpr int64_t kDirectRows = 4;    // up to this many rows, widen in registers per tile
 
 inline void LoadW(const int8_t* p, __m256& w0, __m256& w1) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -68,12 +69,54 @@ void Tile(const float* x, int64_t K, const W* panel, const float* scale, float* 
   }
 }
 
+// Six rows against a widened float32 panel with twelve named accumulators: the BLIS-style
+// 6x16 tile (per k two weight loads and six broadcasts feed twelve FMAs). Written out by
+// hand because GCC spills an accumulator array this large to the stack on every step.
+void Tile6(const float* x, int64_t K, const float* panel, const float* scale, float* y,
+           int64_t N) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+         a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K,
+              *x5 = x + 5 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kNR), w1 = _mm256_loadu_ps(panel + k * kNR + 8);
+    __m256 b = _mm256_broadcast_ss(x0 + k);
+    a00 = _mm256_fmadd_ps(b, w0, a00);
+    a01 = _mm256_fmadd_ps(b, w1, a01);
+    b = _mm256_broadcast_ss(x1 + k);
+    a10 = _mm256_fmadd_ps(b, w0, a10);
+    a11 = _mm256_fmadd_ps(b, w1, a11);
+    b = _mm256_broadcast_ss(x2 + k);
+    a20 = _mm256_fmadd_ps(b, w0, a20);
+    a21 = _mm256_fmadd_ps(b, w1, a21);
+    b = _mm256_broadcast_ss(x3 + k);
+    a30 = _mm256_fmadd_ps(b, w0, a30);
+    a31 = _mm256_fmadd_ps(b, w1, a31);
+    b = _mm256_broadcast_ss(x4 + k);
+    a40 = _mm256_fmadd_ps(b, w0, a40);
+    a41 = _mm256_fmadd_ps(b, w1, a41);
+    b = _mm256_broadcast_ss(x5 + k);
+    a50 = _mm256_fmadd_ps(b, w0, a50);
+    a51 = _mm256_fmadd_ps(b, w1, a51);
+  }
+  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
+                            {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < 6; ++r) {
+    _mm256_storeu_ps(y + r * N, _mm256_mul_ps(acc[r][0], s0));
+    _mm256_storeu_ps(y + r * N + 8, _mm256_mul_ps(acc[r][1], s1));
+  }
+}
+
 // Rows [0, rows) against one panel. Tiles keep at most 8 accumulators: GCC spills larger
 // accumulator arrays to the stack on every step of k.
 template <typename W>
 void Panel(const float* x, int64_t rows, int64_t K, const W* panel, const float* scale,
            float* y, int64_t N) {
   int64_t r = 0;
+  if constexpr (std::is_same_v<W, float>) {
+    for (; r + 6 <= rows; r += 6) Tile6(x + r * K, K, panel, scale, y + r * N, N);
+  }
   for (; r + 4 <= rows; r += 4) Tile<4, 1>(x + r * K, K, panel, scale, y + r * N, N);
   switch (rows - r) {
     case 3: Tile<3, 1>(x + r * K, K, panel, scale, y + r * N, N); break;
