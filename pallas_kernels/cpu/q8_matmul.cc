@@ -12,7 +12,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -31,14 +30,9 @@ inline void LoadW(const int8_t* p, __m256& w0, __m256& w1) {
   w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
 
-inline void LoadW(const float* p, __m256& w0, __m256& w1) {
-  w0 = _mm256_loadu_ps(p);
-  w1 = _mm256_loadu_ps(p + 8);
-}
-
-// MR rows of x (row stride K) against one panel (int8 or widened float32) -> MR x 16 of y.
-template <int MR, int KU, typename W>
-void Tile(const float* x, int64_t K, const W* panel, const float* scale, float* y,
+// MR rows of x (row stride K) against one int8 panel -> MR x 16 of y.
+template <int MR, int KU>
+void Tile(const float* x, int64_t K, const int8_t* panel, const float* scale, float* y,
           int64_t N) {
   // acc0 / acc1: output columns 0-7 / 8-15; index u * MR + r. Two flat arrays, not one
   // [KU][MR][2]: GCC keeps these in registers, but spilled the larger one on every step.
@@ -69,59 +63,69 @@ void Tile(const float* x, int64_t K, const W* panel, const float* scale, float* 
   }
 }
 
-// Six rows against a widened float32 panel with twelve named accumulators: the BLIS-style
-// 6x16 tile (per k two weight loads and six broadcasts feed twelve FMAs). Written out by
-// hand because GCC spills an accumulator array this large to the stack on every step.
-void Tile6(const float* x, int64_t K, const float* panel, const float* scale, float* y,
-           int64_t N) {
+// R <= 6 rows against a widened float32 panel, accumulators in named variables: the
+// BLIS-style 6x16 tile (per k two weight loads and R broadcasts feed 2R FMAs). GCC spills an
+// accumulator array this large to the stack on every step of k, so no array here.
+template <int R>
+void WideTile(const float* x, int64_t K, const float* panel, const float* scale, float* y,
+              int64_t N) {
+  static_assert(R >= 1 && R <= 6);
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
          a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-  const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K,
-              *x5 = x + 5 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kNR), w1 = _mm256_loadu_ps(panel + k * kNR + 8);
-    __m256 b = _mm256_broadcast_ss(x0 + k);
-    a00 = _mm256_fmadd_ps(b, w0, a00);
-    a01 = _mm256_fmadd_ps(b, w1, a01);
-    b = _mm256_broadcast_ss(x1 + k);
-    a10 = _mm256_fmadd_ps(b, w0, a10);
-    a11 = _mm256_fmadd_ps(b, w1, a11);
-    b = _mm256_broadcast_ss(x2 + k);
-    a20 = _mm256_fmadd_ps(b, w0, a20);
-    a21 = _mm256_fmadd_ps(b, w1, a21);
-    b = _mm256_broadcast_ss(x3 + k);
-    a30 = _mm256_fmadd_ps(b, w0, a30);
-    a31 = _mm256_fmadd_ps(b, w1, a31);
-    b = _mm256_broadcast_ss(x4 + k);
-    a40 = _mm256_fmadd_ps(b, w0, a40);
-    a41 = _mm256_fmadd_ps(b, w1, a41);
-    b = _mm256_broadcast_ss(x5 + k);
-    a50 = _mm256_fmadd_ps(b, w0, a50);
-    a51 = _mm256_fmadd_ps(b, w1, a51);
+#define XLASERVE_ROW(r)                                        \
+  if constexpr (R > r) {                                       \
+    const __m256 b = _mm256_broadcast_ss(x + r * K + k);       \
+    a##r##0 = _mm256_fmadd_ps(b, w0, a##r##0);                 \
+    a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1);                 \
   }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kNR);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kNR + 8);
+    XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
+    XLASERVE_ROW(5)
+  }
+#undef XLASERVE_ROW
   const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
   const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
                             {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < 6; ++r) {
+  for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(y + r * N, _mm256_mul_ps(acc[r][0], s0));
     _mm256_storeu_ps(y + r * N + 8, _mm256_mul_ps(acc[r][1], s1));
   }
 }
 
-// Rows [0, rows) against one panel. Tiles keep at most 8 accumulators: GCC spills larger
-// accumulator arrays to the stack on every step of k.
-template <typename W>
-void Panel(const float* x, int64_t rows, int64_t K, const W* panel, const float* scale,
-           float* y, int64_t N) {
+// Rows [0, rows) against a widened panel, in tiles of at most 6 rows as even as can be (16
+// rows: 6 + 5 + 5), so no tile is left with a few rows' worth of FMAs per weight load.
+void WidePanel(const float* x, int64_t rows, int64_t K, const float* panel,
+               const float* scale, float* y, int64_t N) {
+  const int64_t tiles = (rows + 5) / 6;
   int64_t r = 0;
-  if constexpr (std::is_same_v<W, float>) {
-    for (; r + 6 <= rows; r += 6) Tile6(x + r * K, K, panel, scale, y + r * N, N);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n = (rows - r) / (tiles - t) + ((rows - r) % (tiles - t) != 0);
+    const float* xr = x + r * K;
+    float* yr = y + r * N;
+    switch (n) {
+      case 6: WideTile<6>(xr, K, panel, scale, yr, N); break;
+      case 5: WideTile<5>(xr, K, panel, scale, yr, N); break;
+      case 4: WideTile<4>(xr, K, panel, scale, yr, N); break;
+      case 3: WideTile<3>(xr, K, panel, scale, yr, N); break;
+      case 2: WideTile<2>(xr, K, panel, scale, yr, N); break;
+      default: WideTile<1>(xr, K, panel, scale, yr, N); break;
+    }
+    r += n;
   }
-  for (; r + 4 <= rows; r += 4) Tile<4, 1>(x + r * K, K, panel, scale, y + r * N, N);
-  switch (rows - r) {
-    case 3: Tile<3, 1>(x + r * K, K, panel, scale, y + r * N, N); break;
-    case 2: Tile<2, 2>(x + r * K, K, panel, scale, y + r * N, N); break;
-    case 1: Tile<1, 4>(x + r * K, K, panel, scale, y + r * N, N); break;
+}
+
+// Up to kDirectRows rows against an int8 panel, widened in registers. Tiles keep at most 8
+// accumulators (GCC keeps those in registers); KU partial sums cover the FMA latency when
+// there are few rows.
+void DirectPanel(const float* x, int64_t rows, int64_t K, const int8_t* panel,
+                 const float* scale, float* y, int64_t N) {
+  switch (rows) {
+    case 4: Tile<4, 1>(x, K, panel, scale, y, N); break;
+    case 3: Tile<3, 1>(x, K, panel, scale, y, N); break;
+    case 2: Tile<2, 2>(x, K, panel, scale, y, N); break;
+    case 1: Tile<1, 4>(x, K, panel, scale, y, N); break;
     default: break;
   }
 }
@@ -143,14 +147,16 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide;
-    if (T > kDirectRows) wide.resize(K * kNR);
+    // One buffer per thread for the life of the process: allocating (and zeroing) it per
+    // panel cost as much as the panel's FMAs at 16 rows.
+    thread_local std::vector<float> wide;
+    if (T > kDirectRows && wide.size() < static_cast<size_t>(K * kNR)) wide.resize(K * kNR);
     for (int64_t p = begin; p < end; ++p) {
       const int8_t* panel = wp + p * K * kNR;
       const float* s = sp + p * kNR;
       float* out = yp + p * kNR;
       if (T <= kDirectRows) {
-        Panel(xp, T, K, panel, s, out, N);
+        DirectPanel(xp, T, K, panel, s, out, N);
         continue;
       }
       for (int64_t i = 0; i < K * kNR; i += 16) {
@@ -159,9 +165,9 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         _mm256_storeu_ps(wide.data() + i, w0);
         _mm256_storeu_ps(wide.data() + i + 8, w1);
       }
-      Panel(xp, T, K, wide.data(), s, out, N);
+      WidePanel(xp, T, K, wide.data(), s, out, N);
     }
-  }, /*grain=*/T > kDirectRows ? 1 : 4);
+  }, /*grain=*/8);  // 8 panels a claim: fewer than 4 shared cache lines between threads' y
   return ffi::Error::Success();
 }
 
