@@ -14,12 +14,6 @@ from pallas_kernels import cpu_ffi
 PANEL = 16  # output channels per panel: what the kernel's tiles are written for
 
 
-def packable(values) -> bool:
-    """An int8 [in, out] weight whose out is a whole number of panels."""
-    return (values.ndim == 2 and jnp.dtype(values.dtype) == jnp.int8
-            and values.shape[1] % PANEL == 0)
-
-
 def pack_panels(values):
     """int8[K, N] -> int8[K, N] holding the panels: flat[p, k, j] = values[k, PANEL * p + j].
 

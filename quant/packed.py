@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
-from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul, unpack_panels
+from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul
 from quant.array import QuantArray
 
 
@@ -25,9 +25,6 @@ class PackedQ8:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.panels.shape)
-
-    def unpack(self) -> QuantArray:
-        return QuantArray(unpack_panels(self.panels), self.scale)
 
 
 def kernels_available() -> bool:
