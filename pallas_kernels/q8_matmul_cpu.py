@@ -2,7 +2,9 @@
 
 The weight is packed once, at load, in panels of 16 output channels (`pack_panels`); the
 kernel widens the int8 values in registers, so a decode step reads a quarter of the bytes
-of a float32 weight. `q8_matmul_reference` is the same product in plain jnp.
+of a float32 weight. Each row of x is rounded to int16 with a scale of its own and the
+products are summed as integers, 512 values of k at a time; `q8_matmul_reference` is that
+same product in plain jnp.
 """
 from __future__ import annotations
 
@@ -12,26 +14,30 @@ import jax.numpy as jnp
 from pallas_kernels import cpu_ffi
 
 PANEL = 16  # output channels per panel: what the kernel's tiles are written for
+BLOCK = 512  # values of k the kernel sums as int32 before going to float
+QMAX = 32767.0  # a row of x is rounded to int16 in [-QMAX, QMAX]
 
 
 def pack_panels(values):
-    """int8[K, N] -> int8[K, N] holding the panels: flat[p, k, j] = values[k, PANEL * p + j].
+    """int8[K, N] -> int8[K, N] holding the panels, pairs of k side by side:
+    flat[p, k // 2, j, k % 2] = values[k, PANEL * p + j].
 
     The result keeps the [in, out] shape (Flax checks a weight's shape against its
     declaration); only the order of the bytes differs."""
     K, N = values.shape
-    return jnp.asarray(values).reshape(K, N // PANEL, PANEL).transpose(1, 0, 2).reshape(K, N)
+    v = jnp.asarray(values).reshape(K // 2, 2, N // PANEL, PANEL)
+    return v.transpose(2, 0, 3, 1).reshape(K, N)
 
 
 def unpack_panels(panels):
     """The inverse of `pack_panels`."""
     K, N = panels.shape
-    return panels.reshape(N // PANEL, K, PANEL).transpose(1, 0, 2).reshape(K, N)
+    return panels.reshape(N // PANEL, K // 2, PANEL, 2).transpose(1, 3, 0, 2).reshape(K, N)
 
 
 def q8_matmul(x, panels, scale):
     """x: float[..., K] @ weight int8[K, N] (packed) * scale float32[N] -> [..., N] in x's
-    dtype, accumulated in float32."""
+    dtype."""
     if not cpu_ffi.available("q8_matmul"):
         raise RuntimeError("the CPU kernels are not available (no C++ compiler or no AVX2)")
     K, N = panels.shape
@@ -43,8 +49,27 @@ def q8_matmul(x, panels, scale):
     return y.reshape(*lead, N).astype(x.dtype)
 
 
+def quantize_rows(x):
+    """float32[T, K] -> (int16 values [T, K], float32 scales [T, 1]) as the kernel rounds
+    them: x ~ scale * values. A row of zeros has scale 0; a row with an inf or a NaN, NaN."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    finite = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+    inv = jnp.where(finite & (amax > 0), jnp.float32(QMAX) / amax, 0.0)
+    values = jnp.round(jnp.where(finite, x, 0.0) * inv).astype(jnp.int16)
+    return values, jnp.where(finite, amax / jnp.float32(QMAX), jnp.nan)
+
+
 def q8_matmul_reference(x, values, scale):
-    """The same product from the unpacked int8[K, N] values."""
-    y = jnp.matmul(x.astype(jnp.float32), values.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-    return (y * scale.reshape(-1)).astype(x.dtype)
+    """The kernel's product from the unpacked int8[K, N] values, in plain jnp."""
+    K, N = values.shape
+    x2 = x.reshape(-1, K).astype(jnp.float32)
+    xq, xs = quantize_rows(x2)
+    step = xs * scale.reshape(1, N).astype(jnp.float32)
+    y = None
+    for k0 in range(0, K, BLOCK):
+        block = jax.lax.dot(xq[:, k0:k0 + BLOCK].astype(jnp.int32),
+                            values[k0:k0 + BLOCK].astype(jnp.int32),
+                            preferred_element_type=jnp.int32)
+        part = block.astype(jnp.float32) * step
+        y = part if y is None else y + part
+    return y.reshape(*x.shape[:-1], N).astype(x.dtype)

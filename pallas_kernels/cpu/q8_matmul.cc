@@ -4,14 +4,25 @@
 // so an int8 model ran slower than a float32 one. Here the int8 values are widened in
 // registers, and a decode step reads a quarter of float32's bytes.
 //
-// W comes packed in panels of 16 output channels, panel[p][k][j] = W[k][16p + j], so the
-// 16 weights one step of k needs are one contiguous 16-byte load. Panels are split over
-// XLA's intra-op threads. Few rows (decode): every row block widens the int8 weights itself
-// and keeps KU partial sums per output to cover the FMA latency. More rows: each panel is
-// widened once into a float32 buffer, then 6-row tiles run from it.
+// Each row of x is first rounded to int16 with a scale of its own (x ~ xs[r] * xq[r],
+// |xq| <= 32767), and products are summed as integers by vpmaddwd: 16 multiply-adds per
+// instruction where a float32 FMA does 8, and an exact sum, so a row's result does not
+// depend on which other rows share the call. A sum of 512 products cannot overflow int32
+// (512 * 32767 * 128 < 2^31), so every 512 values of k the sums go to float:
+// y = sum over blocks of float(block sum) * (xs[r] * scale[n]).
+//
+// W comes packed in panels of 16 output channels, with pairs of k side by side:
+// panel[p][k / 2][j][k % 2] = W[k][16p + j], so the 32 weights one pair of k needs are one
+// contiguous load, and vpmaddwd multiplies them by a broadcast pair (x[k], x[k + 1]).
+// Panels are split over XLA's intra-op threads. Up to 6 rows (decode): one tile widens the
+// int8 weights to int16 in registers. More rows: each panel is widened once into a buffer,
+// then tiles of up to 6 rows run from it.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
@@ -21,112 +32,148 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kNR = 16;           // output channels per panel: two AVX2 registers
-constexpr int64_t kDirectRows = 4;    // up to this many rows, widen in registers per tile
+constexpr int64_t kNR = 16;          // output channels per panel: two AVX2 registers of int32
+constexpr int64_t kMaxTile = 6;      // rows per tile: 12 accumulators, 2 weights, 1 broadcast
+constexpr int64_t kBlock = 512;      // values of k summed as int32 before going to float
+constexpr float kQMax = 32767.0f;    // int16 range of a quantized row
 
-inline void LoadW(const int8_t* p, __m256& w0, __m256& w1) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+// x[r] ~ xs[r] * xq[r] for rows [r0, r1). A row of zeros has scale 0; a row holding an
+// inf or a NaN has scale NaN, so its outputs are NaN as a float product's would be.
+void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t K, int16_t* xq,
+                  float* xs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * K;
+    __m256 m = _mm256_setzero_ps();
+    bool finite = true;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k));
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) == 0;
+      m = _mm256_max_ps(m, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float amax = 0.0f;
+    for (float l : lanes) amax = std::max(amax, l);
+    for (; k < K; ++k) {
+      finite &= !std::isnan(xr[k]);
+      amax = std::max(amax, std::fabs(xr[k]));
+    }
+    finite &= std::isfinite(amax);
+    const float inv = (finite && amax > 0.0f) ? kQMax / amax : 0.0f;
+    xs[r] = finite ? amax / kQMax : NAN;
+    const __m256 iv = _mm256_set1_ps(inv);
+    int16_t* q = xq + r * K;
+    for (k = 0; k + 16 <= K; k += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), iv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k + 8), iv));
+      // packs works within 128-bit lanes: put the halves back in order
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), p);
+    }
+    for (; k < K; ++k) q[k] = static_cast<int16_t>(std::lrintf(xr[k] * inv));  // same rounding
+  }
 }
 
-// MR rows of x (row stride K) against one int8 panel -> MR x 16 of y.
-template <int MR, int KU>
-void Tile(const float* x, int64_t K, const int8_t* panel, const float* scale, float* y,
-          int64_t N) {
-  // acc0 / acc1: output columns 0-7 / 8-15; index u * MR + r. Two flat arrays, not one
-  // [KU][MR][2]: GCC keeps these in registers, but spilled the larger one on every step.
-  __m256 acc0[KU * MR], acc1[KU * MR];
-  for (int i = 0; i < KU * MR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += KU) {  // K % KU == 0: the caller checks K % 4
-#pragma GCC unroll 4
-    for (int u = 0; u < KU; ++u) {
-      __m256 w0, w1;
-      LoadW(panel + (k + u) * kNR, w0, w1);
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        __m256 xb = _mm256_broadcast_ss(x + r * K + k + u);
-        acc0[u * MR + r] = _mm256_fmadd_ps(xb, w0, acc0[u * MR + r]);
-        acc1[u * MR + r] = _mm256_fmadd_ps(xb, w1, acc1[u * MR + r]);
-      }
-    }
-  }
-  __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-  for (int r = 0; r < MR; ++r) {
-    __m256 a0 = acc0[r], a1 = acc1[r];
-    for (int u = 1; u < KU; ++u) {
-      a0 = _mm256_add_ps(a0, acc0[u * MR + r]);
-      a1 = _mm256_add_ps(a1, acc1[u * MR + r]);
-    }
-    _mm256_storeu_ps(y + r * N, _mm256_mul_ps(a0, s0));
-    _mm256_storeu_ps(y + r * N + 8, _mm256_mul_ps(a1, s1));
+// The 32 weights of one pair of k as int16: columns 0-7 and 8-15, each (k, k + 1) adjacent.
+template <bool kWide>
+inline void LoadPair(const void* panel, int64_t k, __m256i& w0, __m256i& w1) {
+  if constexpr (kWide) {
+    const int16_t* p = static_cast<const int16_t*>(panel) + k * kNR;
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  } else {
+    const int8_t* p = static_cast<const int8_t*>(panel) + k * kNR;
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
   }
 }
 
-// R <= 6 rows against a widened float32 panel, accumulators in named variables: the
-// BLIS-style 6x16 tile (per k two weight loads and R broadcasts feed 2R FMAs). GCC spills an
-// accumulator array this large to the stack on every step of k, so no array here.
-template <int R>
-void WideTile(const float* x, int64_t K, const float* panel, const float* scale, float* y,
-              int64_t N) {
-  static_assert(R >= 1 && R <= 6);
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
-         a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-#define XLASERVE_ROW(r)                                        \
-  if constexpr (R > r) {                                       \
-    const __m256 b = _mm256_broadcast_ss(x + r * K + k);       \
-    a##r##0 = _mm256_fmadd_ps(b, w0, a##r##0);                 \
-    a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1);                 \
+// One row's 16 block sums into y: the first block stores, later ones add. Always one FMA,
+// so the rounding is the same in every tile, whatever GCC would contract on its own.
+inline void Emit(float* y, __m256i a0, __m256i a1, float xs, __m256 s0, __m256 s1,
+                 bool first) {
+  const __m256 b = _mm256_set1_ps(xs);
+  const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+  const __m256 y1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + 8);
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(b, s0), y0));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(b, s1), y1));
+}
+
+// a0 += pairwise products of b and w0 summed, a1 likewise with w1. Written out because
+// GCC, left to itself, sent every sum through a spare register and then spilled
+// accumulators: at 6 rows the 12 accumulators, two weights, the broadcast and one product
+// take all 16 registers.
+inline void MaddAdd(__m256i b, __m256i w0, __m256i w1, __m256i& a0, __m256i& a1) {
+  __m256i t;
+  __asm__("vpmaddwd %[w0], %[b], %[t]\n\t"
+          "vpaddd %[t], %[a0], %[a0]\n\t"
+          "vpmaddwd %[w1], %[b], %[t]\n\t"
+          "vpaddd %[t], %[a1], %[a1]"
+          : [a0] "+x"(a0), [a1] "+x"(a1), [t] "=&x"(t)
+          : [b] "x"(b), [w0] "x"(w0), [w1] "x"(w1));
+}
+
+// R <= 6 quantized rows (row stride K) against one panel -> R x 16 of y. Accumulators are
+// named variables: GCC spills an array of this many to the stack on every step of k.
+template <int R, bool kWide>
+void Tile(const int16_t* xq, const float* xs, int64_t K, const void* panel,
+          const float* scale, float* y, int64_t N) {
+  static_assert(R >= 1 && R <= kMaxTile);
+  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+  const __m256i z = _mm256_setzero_si256();
+  __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z,
+          a41 = z, a50 = z, a51 = z;
+#define XLASERVE_ROW(r)                                                   \
+  if constexpr (R > r) {                                                  \
+    int32_t pair;                                                         \
+    std::memcpy(&pair, xq + r * K + k, sizeof pair);                      \
+    MaddAdd(_mm256_set1_epi32(pair), w0, w1, a##r##0, a##r##1);           \
   }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kNR);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kNR + 8);
-    XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
-    XLASERVE_ROW(5)
+#define XLASERVE_EMIT(r)                                                  \
+  if constexpr (R > r) {                                                  \
+    Emit(y + r * N, a##r##0, a##r##1, xs[r], s0, s1, k0 == 0);            \
+    a##r##0 = a##r##1 = z;                                                \
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = std::min(K, k0 + kBlock);
+    for (int64_t k = k0; k < k1; k += 2) {
+      __m256i w0, w1;
+      LoadPair<kWide>(panel, k, w0, w1);
+      XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
+      XLASERVE_ROW(5)
+    }
+    XLASERVE_EMIT(0) XLASERVE_EMIT(1) XLASERVE_EMIT(2) XLASERVE_EMIT(3) XLASERVE_EMIT(4)
+    XLASERVE_EMIT(5)
   }
 #undef XLASERVE_ROW
-  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
-                            {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * N, _mm256_mul_ps(acc[r][0], s0));
-    _mm256_storeu_ps(y + r * N + 8, _mm256_mul_ps(acc[r][1], s1));
+#undef XLASERVE_EMIT
+}
+
+template <bool kWide>
+void TileOf(int64_t rows, const int16_t* xq, const float* xs, int64_t K, const void* panel,
+            const float* scale, float* y, int64_t N) {
+  switch (rows) {
+    case 6: Tile<6, kWide>(xq, xs, K, panel, scale, y, N); break;
+    case 5: Tile<5, kWide>(xq, xs, K, panel, scale, y, N); break;
+    case 4: Tile<4, kWide>(xq, xs, K, panel, scale, y, N); break;
+    case 3: Tile<3, kWide>(xq, xs, K, panel, scale, y, N); break;
+    case 2: Tile<2, kWide>(xq, xs, K, panel, scale, y, N); break;
+    default: Tile<1, kWide>(xq, xs, K, panel, scale, y, N); break;
   }
 }
 
-// Rows [0, rows) against a widened panel, in tiles of at most 6 rows as even as can be (16
-// rows: 6 + 5 + 5), so no tile is left with a few rows' worth of FMAs per weight load.
-void WidePanel(const float* x, int64_t rows, int64_t K, const float* panel,
-               const float* scale, float* y, int64_t N) {
-  const int64_t tiles = (rows + 5) / 6;
+// Rows [0, T) against one widened panel, in tiles of at most 6 rows as even as can be (16
+// rows: 6 + 5 + 5), so no tile is left with a few rows' worth of work per weight load.
+void WidePanel(int64_t T, const int16_t* xq, const float* xs, int64_t K,
+               const int16_t* panel, const float* scale, float* y, int64_t N) {
+  const int64_t tiles = (T + kMaxTile - 1) / kMaxTile;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n = (rows - r) / (tiles - t) + ((rows - r) % (tiles - t) != 0);
-    const float* xr = x + r * K;
-    float* yr = y + r * N;
-    switch (n) {
-      case 6: WideTile<6>(xr, K, panel, scale, yr, N); break;
-      case 5: WideTile<5>(xr, K, panel, scale, yr, N); break;
-      case 4: WideTile<4>(xr, K, panel, scale, yr, N); break;
-      case 3: WideTile<3>(xr, K, panel, scale, yr, N); break;
-      case 2: WideTile<2>(xr, K, panel, scale, yr, N); break;
-      default: WideTile<1>(xr, K, panel, scale, yr, N); break;
-    }
+    const int64_t n = (T - r) / (tiles - t) + ((T - r) % (tiles - t) != 0);
+    TileOf<true>(n, xq + r * K, xs + r, K, panel, scale, y + r * N, N);
     r += n;
-  }
-}
-
-// Up to kDirectRows rows against an int8 panel, widened in registers. Tiles keep at most 8
-// accumulators (GCC keeps those in registers); KU partial sums cover the FMA latency when
-// there are few rows.
-void DirectPanel(const float* x, int64_t rows, int64_t K, const int8_t* panel,
-                 const float* scale, float* y, int64_t N) {
-  switch (rows) {
-    case 4: Tile<4, 1>(x, K, panel, scale, y, N); break;
-    case 3: Tile<3, 1>(x, K, panel, scale, y, N); break;
-    case 2: Tile<2, 2>(x, K, panel, scale, y, N); break;
-    case 1: Tile<1, 4>(x, K, panel, scale, y, N); break;
-    default: break;
   }
 }
 
@@ -142,30 +189,42 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     return ffi::Error::InvalidArgument(
         "q8_matmul: K % 4 == 0, N % 16 == 0, w K * N int8 values in panels of 16 "
         "columns, scale N floats");
+  if (T == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const int8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
+
+  // The calling thread's buffers, read by the pool's threads until this call returns.
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs;
+  if (xq.size() < static_cast<size_t>(T * K)) xq.resize(T * K);
+  if (xs.size() < static_cast<size_t>(T)) xs.resize(T);
+  int16_t* xqp = xq.data();
+  float* xsp = xs.data();
+  xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
+    QuantizeRows(xp, r0, r1, K, xqp, xsp);
+  }, /*grain=*/std::max<int64_t>(1, 8192 / K));
+
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     // One buffer per thread for the life of the process: allocating (and zeroing) it per
-    // panel cost as much as the panel's FMAs at 16 rows.
-    thread_local std::vector<float> wide;
-    if (T > kDirectRows && wide.size() < static_cast<size_t>(K * kNR)) wide.resize(K * kNR);
+    // panel cost as much as the panel's work at 16 rows.
+    thread_local std::vector<int16_t> wide;
+    if (T > kMaxTile && wide.size() < static_cast<size_t>(K * kNR)) wide.resize(K * kNR);
     for (int64_t p = begin; p < end; ++p) {
       const int8_t* panel = wp + p * K * kNR;
       const float* s = sp + p * kNR;
       float* out = yp + p * kNR;
-      if (T <= kDirectRows) {
-        DirectPanel(xp, T, K, panel, s, out, N);
+      if (T <= kMaxTile) {
+        TileOf<false>(T, xqp, xsp, K, panel, s, out, N);
         continue;
       }
       for (int64_t i = 0; i < K * kNR; i += 16) {
-        __m256 w0, w1;
-        LoadW(panel + i, w0, w1);
-        _mm256_storeu_ps(wide.data() + i, w0);
-        _mm256_storeu_ps(wide.data() + i + 8, w1);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.data() + i),
+                            _mm256_cvtepi8_epi16(b));
       }
-      WidePanel(xp, T, K, wide.data(), s, out, N);
+      WidePanel(T, xqp, xsp, K, wide.data(), s, out, N);
     }
   }, /*grain=*/8);  // 8 panels a claim: fewer than 4 shared cache lines between threads' y
   return ffi::Error::Success();
