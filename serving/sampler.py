@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.argmax_cpu import argmax_rows
+
 NUM_TOP_LOGPROBS = 20  # top logprobs computed when any request asks; each keeps its own count
 
 
@@ -94,17 +96,28 @@ def _top_logprobs(logits):
 
 def sample(logits, s: SamplingInputs) -> SampleOutput:
     """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
-    and output index, so a request samples the same tokens whatever else is in the batch."""
+    and output index, so a request samples the same tokens whatever else is in the batch.
+    A step of greedy requests asking for nothing else takes the argmax alone."""
+    R, _ = logits.shape
+    greedy = argmax_rows(logits)
+    plain = SampleOutput(greedy, jnp.zeros((R,), jnp.float32),
+                         jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
+                         jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+    extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
+    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s), lambda raw: plain, logits)
+
+
+def _sample_any(logits, s: SamplingInputs) -> SampleOutput:
     R, V = logits.shape
     raw = logits
     logits = jax.lax.cond(s.any_penalty, apply_penalties, lambda l, _: l, logits, s)
     logits = jax.lax.cond(s.any_bias, apply_bias, lambda l, _: l, logits, s)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax_rows(logits)
 
     def random_tokens(logits):
         filtered = jax.lax.cond(s.any_filter, apply_filters, lambda l, _: l, logits, s)
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        return jnp.argmax(filtered / temp + _gumbel(s, (R, V)), axis=-1).astype(jnp.int32)
+        return argmax_rows(filtered / temp + _gumbel(s, (R, V)))
 
     drawn = jax.lax.cond(s.any_random, random_tokens, lambda l: greedy, logits)
     tokens = jnp.where(s.temperature > 0, drawn, greedy)

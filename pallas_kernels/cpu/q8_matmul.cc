@@ -14,9 +14,9 @@
 // W comes packed in panels of 16 output channels, with pairs of k side by side:
 // panel[p][k / 2][j][k % 2] = W[k][16p + j], so the 32 weights one pair of k needs are one
 // contiguous load, and vpmaddwd multiplies them by a broadcast pair (x[k], x[k + 1]).
-// Panels are split over XLA's intra-op threads. Up to 6 rows (decode): one tile widens the
-// int8 weights to int16 in registers. More rows: each panel is widened once into a buffer,
-// then tiles of up to 6 rows run from it.
+// Panels are split over XLA's intra-op threads; within a panel, tiles of up to 6 rows each
+// widen the int8 weights to int16 in registers (as fast as reading a panel widened once
+// into memory, which this kernel did before).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -76,18 +76,12 @@ void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t K, int16_t* xq
   }
 }
 
-// The 32 weights of one pair of k as int16: columns 0-7 and 8-15, each (k, k + 1) adjacent.
-template <bool kWide>
-inline void LoadPair(const void* panel, int64_t k, __m256i& w0, __m256i& w1) {
-  if constexpr (kWide) {
-    const int16_t* p = static_cast<const int16_t*>(panel) + k * kNR;
-    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-  } else {
-    const int8_t* p = static_cast<const int8_t*>(panel) + k * kNR;
-    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  }
+// The 32 weights of one pair of k, widened to int16: columns 0-7 and 8-15, each (k, k + 1)
+// adjacent.
+inline void LoadPair(const int8_t* panel, int64_t k, __m256i& w0, __m256i& w1) {
+  const int8_t* p = panel + k * kNR;
+  w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
 }
 
 // One row's 16 block sums into y: the first block stores, later ones add. Always one FMA,
@@ -117,8 +111,8 @@ inline void MaddAdd(__m256i b, __m256i w0, __m256i w1, __m256i& a0, __m256i& a1)
 
 // R <= 6 quantized rows (row stride K) against one panel -> R x 16 of y. Accumulators are
 // named variables: GCC spills an array of this many to the stack on every step of k.
-template <int R, bool kWide>
-void Tile(const int16_t* xq, const float* xs, int64_t K, const void* panel,
+template <int R>
+void Tile(const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
           const float* scale, float* y, int64_t N) {
   static_assert(R >= 1 && R <= kMaxTile);
   const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
@@ -140,7 +134,7 @@ void Tile(const int16_t* xq, const float* xs, int64_t K, const void* panel,
     const int64_t k1 = std::min(K, k0 + kBlock);
     for (int64_t k = k0; k < k1; k += 2) {
       __m256i w0, w1;
-      LoadPair<kWide>(panel, k, w0, w1);
+      LoadPair(panel, k, w0, w1);
       XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
       XLASERVE_ROW(5)
     }
@@ -151,28 +145,27 @@ void Tile(const int16_t* xq, const float* xs, int64_t K, const void* panel,
 #undef XLASERVE_EMIT
 }
 
-template <bool kWide>
-void TileOf(int64_t rows, const int16_t* xq, const float* xs, int64_t K, const void* panel,
+void TileOf(int64_t rows, const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
             const float* scale, float* y, int64_t N) {
   switch (rows) {
-    case 6: Tile<6, kWide>(xq, xs, K, panel, scale, y, N); break;
-    case 5: Tile<5, kWide>(xq, xs, K, panel, scale, y, N); break;
-    case 4: Tile<4, kWide>(xq, xs, K, panel, scale, y, N); break;
-    case 3: Tile<3, kWide>(xq, xs, K, panel, scale, y, N); break;
-    case 2: Tile<2, kWide>(xq, xs, K, panel, scale, y, N); break;
-    default: Tile<1, kWide>(xq, xs, K, panel, scale, y, N); break;
+    case 6: Tile<6>(xq, xs, K, panel, scale, y, N); break;
+    case 5: Tile<5>(xq, xs, K, panel, scale, y, N); break;
+    case 4: Tile<4>(xq, xs, K, panel, scale, y, N); break;
+    case 3: Tile<3>(xq, xs, K, panel, scale, y, N); break;
+    case 2: Tile<2>(xq, xs, K, panel, scale, y, N); break;
+    default: Tile<1>(xq, xs, K, panel, scale, y, N); break;
   }
 }
 
-// Rows [0, T) against one widened panel, in tiles of at most 6 rows as even as can be (16
-// rows: 6 + 5 + 5), so no tile is left with a few rows' worth of work per weight load.
-void WidePanel(int64_t T, const int16_t* xq, const float* xs, int64_t K,
-               const int16_t* panel, const float* scale, float* y, int64_t N) {
+// Rows [0, T) against one panel, in tiles of at most 6 rows as even as can be (16 rows:
+// 6 + 5 + 5), so no tile is left with a few rows' worth of work per weight load.
+void Panel(int64_t T, const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
+           const float* scale, float* y, int64_t N) {
   const int64_t tiles = (T + kMaxTile - 1) / kMaxTile;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n = (T - r) / (tiles - t) + ((T - r) % (tiles - t) != 0);
-    TileOf<true>(n, xq + r * K, xs + r, K, panel, scale, y + r * N, N);
+    TileOf(n, xq + r * K, xs + r, K, panel, scale, y + r * N, N);
     r += n;
   }
 }
@@ -207,25 +200,8 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   }, /*grain=*/std::max<int64_t>(1, 8192 / K));
 
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
-    // One buffer per thread for the life of the process: allocating (and zeroing) it per
-    // panel cost as much as the panel's work at 16 rows.
-    thread_local std::vector<int16_t> wide;
-    if (T > kMaxTile && wide.size() < static_cast<size_t>(K * kNR)) wide.resize(K * kNR);
-    for (int64_t p = begin; p < end; ++p) {
-      const int8_t* panel = wp + p * K * kNR;
-      const float* s = sp + p * kNR;
-      float* out = yp + p * kNR;
-      if (T <= kMaxTile) {
-        TileOf<false>(T, xqp, xsp, K, panel, s, out, N);
-        continue;
-      }
-      for (int64_t i = 0; i < K * kNR; i += 16) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + i));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.data() + i),
-                            _mm256_cvtepi8_epi16(b));
-      }
-      WidePanel(T, xqp, xsp, K, wide.data(), s, out, N);
-    }
+    for (int64_t p = begin; p < end; ++p)
+      Panel(T, xqp, xsp, K, wp + p * K * kNR, sp + p * kNR, yp + p * kNR, N);
   }, /*grain=*/8);  // 8 panels a claim: fewer than 4 shared cache lines between threads' y
   return ffi::Error::Success();
 }
