@@ -51,6 +51,8 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantize", default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="auto, int8, fp8, or a float dtype such as bfloat16 (default: auto)")
     p.add_argument("--shapes", default="1x1x16,8x8x16,16x16x16,64x64x16,256x64x16")
     p.add_argument("--context", type=int, default=200, help="decode position + 1")
     p.add_argument("--page-size", type=int, default=16)
@@ -67,7 +69,7 @@ def main() -> int:
     backend = resolve_backend(args.attention_backend)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     num_pages = 1 + max(R * P for _, R, P in shapes)
-    cache = KVCache.zeros(cfg, num_pages, args.page_size)
+    cache = KVCache.zeros(cfg, num_pages, args.page_size, args.kv_cache_dtype)
     step = jax.jit(partial(forward, cfg=cfg, backend=backend), donate_argnums=(1,))
     rng = np.random.default_rng(0)
     print(f"{model_dir.name} {cfg.dtype} quantize={args.quantize} attention={backend}")
