@@ -3,6 +3,8 @@ same work one request at a time. Prints a table of output tokens/s and per-step 
 
     python scripts/bench_offline.py --num-prompts 32 --input-len 128 --output-len 64 \
         --batch-sizes 1,8,32 --page-buckets 12 --token-buckets 8,32,128,512
+    python scripts/bench_offline.py --num-prompts 64 --input-len 130 --output-len 128 \
+        --batch-sizes 64 --sequential-prompts 0 --max-model-len 2048 --quantize int8:lm_head
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--token-buckets", type=ints, default=None)
     p.add_argument("--page-buckets", type=ints, default=None)
     p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--quantize", default=None, help="as `xlaserve serve --quantize`")
     return p.parse_args(argv)
 
 
@@ -53,7 +56,7 @@ def engine_config(args, max_num_seqs: int) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   token_buckets=args.token_buckets, page_buckets=args.page_buckets,
-                  progress=False)
+                  quantize=args.quantize, progress=False)
     if args.compilation_cache_dir:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return EngineConfig(**kwargs)
