@@ -151,17 +151,6 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs in one call per event loop: each wake-up of a loop from this
-        thread is a write to its self-pipe, and 64 streams made 64 of them per step."""
-        by_loop: dict = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
     def _loop(self) -> None:
         try:
             self._run()
@@ -204,9 +193,5 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - an abort of a gone request, ...
                     log.error("engine command %s failed: %s", fn.__name__, e)
             if self.engine.has_unfinished:
-                self._deliver_step(self.engine.step())
-
-
-def _put_all(items) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)

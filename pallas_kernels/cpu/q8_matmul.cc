@@ -195,14 +195,9 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (xs.size() < static_cast<size_t>(T)) xs.resize(T);
   int16_t* xqp = xq.data();
   float* xsp = xs.data();
-  // Rounding x is ~1 ns per value: below ~128K values, waking the pool for it costs more.
-  if (T * K < (int64_t{1} << 17)) {
-    QuantizeRows(xp, 0, T, K, xqp, xsp);
-  } else {
-    xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
-      QuantizeRows(xp, r0, r1, K, xqp, xsp);
-    }, /*grain=*/std::max<int64_t>(1, 8192 / K));
-  }
+  xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
+    QuantizeRows(xp, r0, r1, K, xqp, xsp);
+  }, /*grain=*/std::max<int64_t>(1, 8192 / K));
 
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
