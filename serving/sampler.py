@@ -99,12 +99,14 @@ def sample(logits, s: SamplingInputs) -> SampleOutput:
     and output index, so a request samples the same tokens whatever else is in the batch.
     A step of greedy requests asking for nothing else takes the argmax alone."""
     R, _ = logits.shape
-    greedy = argmax_rows(logits)
-    plain = SampleOutput(greedy, jnp.zeros((R,), jnp.float32),
-                         jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
-                         jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+
+    def plain(raw):
+        return SampleOutput(argmax_rows(raw), jnp.zeros((R,), jnp.float32),
+                            jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
+                            jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
-    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s), lambda raw: plain, logits)
+    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s), plain, logits)
 
 
 def _sample_any(logits, s: SamplingInputs) -> SampleOutput:
