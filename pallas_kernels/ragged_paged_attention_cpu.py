@@ -1,23 +1,25 @@
 """Ragged paged attention as a C++ kernel for CPUs (`pallas_kernels/cpu/paged_attention.cc`),
 called through the XLA FFI: attention backend "cpu".
 
-Same contract as `ragged_paged_attention_reference`. Each (token, KV head) pair streams its
-request's keys straight out of the paged cache with an online softmax, reading each key and
-value row once for the G query heads that share it (and, in a prefill chunk, for up to 4
-consecutive tokens); the pairs are spread over XLA:CPU's own intra-op threads. Nothing is
-gathered or materialised, so a step costs what its tokens' visible keys cost.
+Same contract as `ragged_paged_attention_reference`. A task (up to 4 consecutive tokens of
+one request against all KV heads, or one head when there are few tokens) streams the
+request's keys straight out of the paged cache, 32 at a time, with an online softmax; K/V rows
+are read in the cache's dtype and converted inside the dot products, and each is read once
+for the G query heads that share it (and the tile's tokens). Tasks are spread over XLA:CPU's
+own intra-op threads. Nothing is gathered or materialised, so a step costs what its tokens'
+visible keys cost. At 64 streams the kernel waits mostly on reading those keys, which a 16-bit
+cache halves.
 
 Caches of float32, bfloat16 and float16, and int8 / float8_e4m3fn with per-(token, KV head)
 scales, run in the kernel; other dtypes, or a machine where
 `cpu_ffi.available("paged_attention")` is False, use the blocked XLA form.
 
-One layer of SmolLM2-135M (9 query / 3 KV heads of 64, page size 16, 16-page tables, float32
-cache of 30 layers), jitted alone on 2 CPU cores (scripts/bench_attention_cpu.py), ms per call
-for cpu / blocked / reference: 1 decode token 0.05 / 0.18 / 0.15; 16 decode tokens at ~250
-context 0.35 / 1.6 / 1.6; 64 decode tokens at ~250 context 1.9 / 7.9 / 8.1; a 256-token chunk
-of one request in a 64-row step 1.7 / 6.0 / 67. Whole demo-model steps (scripts/bench_step.py,
-best of 7): 64 decode tokens 205-220 ms against 370-395 with blocked attention; a 256-token
-chunk 508 against 608.
+One layer of SmolLM2-135M (9 query / 3 KV heads of 64, page size 16, 16-page tables, cache
+of 30 layers), jitted alone on 2 CPU cores (scripts/bench_attention_cpu.py), ms per call,
+float32 cache for cpu / blocked: 1 decode token 0.056 / 0.12; 16 decode tokens at ~250
+context 0.32 / 2.0; 64 decode tokens at ~250 context 2.2 / 11.4; a 256-token chunk of one
+request in a 64-row step 2.1 / 7.6. With a float16 cache the kernel takes 0.069 / 0.28 / 0.95
+/ 2.1 ms. Runs on this shared machine vary by 20-30%.
 """
 from __future__ import annotations
 

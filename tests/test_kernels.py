@@ -153,6 +153,9 @@ BLOCKED_CONFIGS = CONFIGS + [
     _cfg("g3-d64-p16-f32-decode-form", 9, 3, 64, 16, 4, 8, 8, F32),
     _cfg("g2-d64-p16-bf16-int8-decode-form", 4, 2, 64, 16, 3, 4, 4, BF16, INT8),
     _cfg("g4-d128-p32-f32-fp8-decode-form", 8, 2, 128, 32, 2, 16, 16, F32, FP8),
+    # head dims that leave 8 and 4 columns past the C++ kernel's 16-wide passes
+    _cfg("g3-d28-p16-f16-odd-dim", 6, 2, 28, 16, 4, 4, 16, F16),
+    _cfg("g2-d20-p16-bf16-int8-odd-dim", 4, 2, 20, 16, 4, 4, 8, BF16, INT8),
 ]
 
 

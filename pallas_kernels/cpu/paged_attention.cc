@@ -1,11 +1,14 @@
 // Ragged paged attention on CPUs: the contract of `ragged_paged_attention_reference`
 // (pallas_kernels/ragged_paged_attention.py).
 //
-// Tasks are (token, KV head) pairs, with up to kTile consecutive tokens of one request (a
-// prefill chunk) in one task so that each block of keys is read once for all of them. A task
-// streams its request's keys straight out of the pages in blocks of kBlock with an online
-// softmax: O(D) memory per query head, each key/value row read once for the G query heads
-// sharing it. XLA:CPU instead gathers every token's pages into [T, S, K, D].
+// A task is up to kTile consecutive tokens of one request (a prefill chunk's tokens share
+// each key read) against all KV heads, or one KV head when there are too few tokens to keep
+// the threads busy. It streams its request's keys straight out of the pages, kChunk at a
+// time, with an online softmax: scores for the chunk, one rescale, then the values; O(D)
+// memory per query head. K/V rows are read in the cache's own dtype and converted inside the
+// dot products, so a 16-bit cache moves half the bytes of a float32 one; values are summed
+// for kRows query rows at a time, so each value vector loaded feeds kRows rows. XLA:CPU
+// instead gathers every token's pages into [T, S, K, D].
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,179 +20,139 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using xlaserve::Convert;
+using xlaserve::FromF32;
+using xlaserve::Load1;
+using xlaserve::Load8;
 
 namespace {
 
-constexpr int64_t kBlock = 16;  // keys per online-softmax step: amortises the rescale of acc
-constexpr int64_t kTile = 4;    // query tokens of one request sharing each block of keys
+constexpr int64_t kChunk = 32;  // keys per online-softmax step, a multiple of 8
+constexpr int64_t kTile = 4;    // query tokens of one request sharing each chunk of keys
+constexpr int kRows = 3;        // query rows (token, head) per register block
 
-// float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN.
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      int e = (b >> 3) & 15, m = b & 7;
-      float x = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
-      v[b] = (b & 128) ? -x : x;
-    }
-  }
+// One chunk of keys s0..s0+n-1: its K and V rows in the cache, and their scales (1 for
+// unquantized caches). Rows past n repeat the last one, up to a multiple of 8.
+struct Chunk {
+  int64_t s0, n;
+  const char* k[kChunk];
+  const char* v[kChunk];
+  float ks[kChunk], vs[kChunk];
 };
-const Fp8Table kFp8;
 
-// 8 elements of type dt at src, as float32.
-template <ffi::DataType dt>
-inline __m256 Load8(const char* src) {
-  if constexpr (dt == ffi::DataType::F32) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(src));
-  } else if constexpr (dt == ffi::DataType::BF16) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)src));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  } else if constexpr (dt == ffi::DataType::F16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)src));
-  } else if constexpr (dt == ffi::DataType::S8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)src)));
-  } else {  // F8E4M3FN
-    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)src));
-    return _mm256_i32gather_ps(kFp8.v, bytes, 4);
-  }
-}
+// Software prefetch of the next chunk's K and V slots, a few lines at a time from inside the
+// loops over the current chunk: pages lie scattered over the cache, where the hardware
+// prefetcher cannot follow, and asking for a whole chunk at once stalls the core until most
+// of it has arrived instead of overlapping the reads with arithmetic.
+struct Prefetcher {
+  const char* start[2 * kChunk];  // K slots, then V slots
+  int64_t count = 0, bytes = 0, i = 0, b = 0;
 
-template <ffi::DataType dt>
-void ConvertAs(const char* src, int64_t n, float scale, float* dst) {
-  constexpr size_t width = ffi::ByteWidth(dt);
-  const __m256 sc = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(Load8<dt>(src + i * width), sc));
-  if (i < n) {  // through a zeroed buffer: Load8 reads 8 elements
-    char tail[32] = {};
-    alignas(32) float f[8];
-    std::memcpy(tail, src + i * width, (n - i) * width);
-    _mm256_storeu_ps(f, _mm256_mul_ps(Load8<dt>(tail), sc));
-    std::memcpy(dst + i, f, (n - i) * 4);
-  }
-}
-
-// dst[0..n) = the n elements of type dt at src, as float32, times scale.
-float* Convert(ffi::DataType dt, const char* src, int64_t n, float scale, float* dst) {
-  switch (dt) {
-    case ffi::DataType::F32: ConvertAs<ffi::DataType::F32>(src, n, scale, dst); break;
-    case ffi::DataType::BF16: ConvertAs<ffi::DataType::BF16>(src, n, scale, dst); break;
-    case ffi::DataType::F16: ConvertAs<ffi::DataType::F16>(src, n, scale, dst); break;
-    case ffi::DataType::S8: ConvertAs<ffi::DataType::S8>(src, n, scale, dst); break;
-    default: ConvertAs<ffi::DataType::F8E4M3FN>(src, n, scale, dst);  // the handler checked
-  }
-  return dst;
-}
-
-// Convert, but unscaled float32 is returned in place: the common cache type is never copied.
-inline const float* ToF32(ffi::DataType dt, const char* src, int64_t n, float scale,
-                          float* dst) {
-  if (dt == ffi::DataType::F32 && scale == 1.0f) return reinterpret_cast<const float*>(src);
-  return Convert(dt, src, n, scale, dst);
-}
-
-void FromF32(ffi::DataType dt, const float* src, int64_t n, char* dst) {
-  auto* half = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    if (dt == ffi::DataType::F32) {
-      std::memcpy(dst + 4 * i, src + i, 4);
-    } else if (dt == ffi::DataType::F16) {
-      half[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-    } else {  // BF16, rounded to nearest even as XLA's convert rounds
-      uint32_t u;
-      std::memcpy(&u, src + i, 4);
-      half[i] = std::isnan(src[i]) ? 0x7FC0 : uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  void Reset(int64_t n, int64_t slot_bytes) { count = n, bytes = slot_bytes, i = b = 0; }
+  void Step(int64_t lines) {
+    for (; lines > 0 && i < count; --lines) {
+      _mm_prefetch(start[i] + b, _MM_HINT_T0);
+      if ((b += 64) >= bytes) b = 0, ++i;
     }
   }
-}
+  void Finish() { Step(std::numeric_limits<int64_t>::max()); }
+};
 
-inline float HSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Lane j of the result is the sum of the lanes of a[j].
-inline __m256 HSum8(const __m256 a[8]) {
-  __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  // s0123 = [0 1 2 3 | 0 1 2 3] halves of the 128-bit lanes; likewise s4567.
-  __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  return _mm256_add_ps(lo, hi);
-}
-
-// exp on 8 lanes (Cephes' expf: ~1 ulp); arguments of -88 and below (-inf too) give 0.
-inline __m256 Exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  // 2^n through the exponent field; n = -127 makes the bits 0, i.e. exactly 0.
-  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  e = _mm256_slli_epi32(e, 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float HMax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-// out[j] = dot(q, k[j]) for 8 rows; D8 = D rounded down to a multiple of 8.
-inline void Dot8(const float* q, const float* const k[8], int64_t D, float* out) {
+// s[j] = dot(q, k[j]) for the chunk's keys, 8 at a time (each row of K feeds one query row:
+// holding several query rows' sums for 8 keys would spill registers).
+template <ffi::DataType dt>
+void Scores(const float* q, int64_t D, const Chunk& c, float* s, Prefetcher& pf) {
+  constexpr size_t w = ffi::ByteWidth(dt);
   const int64_t D8 = D & ~int64_t{7};
-  __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D8; d += 8) {
-    __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k[j] + d), qv, a[j]);
+  for (int64_t j = 0; j < c.n; j += 8) {
+    pf.Step(4);
+    __m256 a[8];
+    for (int y = 0; y < 8; ++y) a[y] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int y = 0; y < 8; ++y) a[y] = _mm256_fmadd_ps(Load8<dt>(c.k[j + y] + d * w), qv, a[y]);
+    }
+    _mm256_storeu_ps(s + j, xlaserve::HSum8(a));
+    for (int64_t d = D8; d < D; ++d)
+      for (int y = 0; y < 8; ++y) s[j + y] += q[d] * Load1<dt>(c.k[j + y] + d * w);
   }
-  _mm256_storeu_ps(out, HSum8(a));
-  for (int64_t d = D8; d < D; ++d)
-    for (int j = 0; j < 8; ++j) out[j] += q[d] * k[j][d];
 }
 
-// acc += sum_j p[j] * v[j] over n rows, 32 columns at a time held in registers.
-inline void AccumulateV(const float* p, const float* const* v, int64_t n, int64_t D, float* acc) {
+// The online-softmax update of one query row for the chunk: its scores sr (keys outside
+// [jb, je) masked) become probabilities, times the value scales; m and l move to the new
+// running max and sum, and acc is rescaled to match.
+void Softmax(float* sr, const Chunk& c, int64_t jb, int64_t je, float& m, float& l,
+             float* acc, int64_t D) {
+  const int64_t n8 = (c.n + 7) & ~int64_t{7};
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo = _mm256_set1_epi32(int32_t(jb) - 1), hi = _mm256_set1_epi32(int32_t(je));
+  __m256 mx = ninf;
+  for (int64_t j = 0; j < n8; j += 8) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lanes);
+    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, lo), _mm256_cmpgt_epi32(hi, idx));
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sr + j), _mm256_loadu_ps(c.ks + j));
+    v = _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(in));
+    _mm256_storeu_ps(sr + j, v);
+    mx = _mm256_max_ps(mx, v);
+  }
+  const float m_new = std::max(m, xlaserve::HMax(mx));
+  const float corr = std::exp(m - m_new);  // 0 on the first chunk (m = -inf)
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n8; j += 8) {
+    const __m256 e = xlaserve::Exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));  // masked: 0
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(sr + j, _mm256_mul_ps(e, _mm256_loadu_ps(c.vs + j)));
+  }
+  m = m_new;
+  l = l * corr + xlaserve::HSum(sum);
+  if (corr != 1.0f)
+    for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+}
+
+// acc[x] += sum_j p[x * kChunk + j] * v[j] over keys [jb, je), for R rows; 16 columns at a
+// time held in registers, so each value vector loaded feeds R rows.
+template <ffi::DataType dt, int R>
+void AccumulateV(const float* p, const Chunk& c, int64_t jb, int64_t je, int64_t D,
+                 float* acc, Prefetcher& pf) {
+  constexpr size_t w = ffi::ByteWidth(dt);
   int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vj = v[j] + d;
-      a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), a0);
-      a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), a1);
-      a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), a2);
-      a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), a3);
+  for (; d + 16 <= D; d += 16) {
+    __m256 a[R][2];
+    for (int x = 0; x < R; ++x)
+      for (int y = 0; y < 2; ++y) a[x][y] = _mm256_loadu_ps(acc + x * D + d + 8 * y);
+    for (int64_t j = jb; j < je; ++j) {
+      pf.Step(1);
+      const __m256 v0 = Load8<dt>(c.v[j] + d * w), v1 = Load8<dt>(c.v[j] + (d + 8) * w);
+      for (int x = 0; x < R; ++x) {
+        const __m256 px = _mm256_set1_ps(p[x * kChunk + j]);
+        a[x][0] = _mm256_fmadd_ps(px, v0, a[x][0]);
+        a[x][1] = _mm256_fmadd_ps(px, v1, a[x][1]);
+      }
     }
-    _mm256_storeu_ps(acc + d, a0), _mm256_storeu_ps(acc + d + 8, a1);
-    _mm256_storeu_ps(acc + d + 16, a2), _mm256_storeu_ps(acc + d + 24, a3);
+    for (int x = 0; x < R; ++x)
+      for (int y = 0; y < 2; ++y) _mm256_storeu_ps(acc + x * D + d + 8 * y, a[x][y]);
   }
   for (; d + 8 <= D; d += 8) {
-    __m256 a0 = _mm256_loadu_ps(acc + d);
-    for (int64_t j = 0; j < n; ++j)
-      a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), a0);
-    _mm256_storeu_ps(acc + d, a0);
+    __m256 a[R];
+    for (int x = 0; x < R; ++x) a[x] = _mm256_loadu_ps(acc + x * D + d);
+    for (int64_t j = jb; j < je; ++j) {
+      const __m256 vv = Load8<dt>(c.v[j] + d * w);
+      for (int x = 0; x < R; ++x)
+        a[x] = _mm256_fmadd_ps(_mm256_set1_ps(p[x * kChunk + j]), vv, a[x]);
+    }
+    for (int x = 0; x < R; ++x) _mm256_storeu_ps(acc + x * D + d, a[x]);
   }
   for (; d < D; ++d)
-    for (int64_t j = 0; j < n; ++j) acc[d] += p[j] * v[j][d];
+    for (int64_t j = jb; j < je; ++j) {
+      const float vj = Load1<dt>(c.v[j] + d * w);
+      for (int x = 0; x < R; ++x) acc[x * D + d] += p[x * kChunk + j] * vj;
+    }
 }
 
 struct Problem {
@@ -202,20 +165,46 @@ struct Problem {
   float scale;
 };
 
-// Per-worker buffers: q, acc, m, l for the tile's query rows (token, head), one block of
-// converted K and V rows.
+// Per-worker buffers: q, acc, m, l for the tile's query rows, ordered (KV head, token, head
+// within the group) so that one KV head's rows are adjacent; one register block's scores.
 struct Scratch {
-  std::vector<float> q, acc, k, v, s, m, l;
+  std::vector<float> q, acc, s, m, l;
+  Prefetcher pf;
   Scratch(const Problem& p)
-      : q(kTile * p.G * p.D), acc(kTile * p.G * p.D), k(kBlock * p.D), v(kBlock * p.D),
-        s(kBlock), m(kTile * p.G), l(kTile * p.G) {}
+      : q(kTile * p.H * p.D), acc(kTile * p.H * p.D), s(kRows * kChunk), m(kTile * p.H),
+        l(kTile * p.H) {}
 };
 
-// Tokens t0..t0+nq-1 (one request, as the engine lays a chunk out) against KV head kvh: each
-// block of keys is read and converted once for every query row of the tile.
-void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t kvh, Scratch& w) {
-  const int64_t G = p.G, D = p.D, S = p.pages_per_req * p.page_size;
-  const size_t q_bytes = ffi::ByteWidth(p.q_type), kv_bytes = ffi::ByteWidth(p.kv_type);
+// Rows r0..r0+R-1 of one KV head's block of query rows (starting at row `base` of the
+// scratch; local row r is token r / G) against one chunk of that head's keys.
+template <ffi::DataType dt, int R>
+void AttendRows(const Problem& p, const Chunk& c, int64_t base, int64_t r0, const int64_t* q_lo,
+                const int64_t* q_hi, Scratch& w) {
+  const int64_t D = p.D;
+  float* s = w.s.data();
+  for (int x = 0; x < R; ++x) Scores<dt>(&w.q[(base + r0 + x) * D], D, c, s + x * kChunk, w.pf);
+  int64_t jb_all = c.n, je_all = 0;  // the keys any of the rows sees
+  for (int x = 0; x < R; ++x) {
+    const int64_t r = base + r0 + x, i = (r0 + x) / p.G;
+    const int64_t jb = std::max<int64_t>(q_lo[i] - c.s0, 0);
+    const int64_t je = std::min(q_hi[i] - c.s0 + 1, c.n);
+    if (jb >= je) {
+      std::fill(s + x * kChunk, s + (x + 1) * kChunk, 0.0f);
+      continue;
+    }
+    Softmax(s + x * kChunk, c, jb, je, w.m[r], w.l[r], &w.acc[r * D], D);
+    jb_all = std::min(jb_all, jb), je_all = std::max(je_all, je);
+  }
+  if (jb_all < je_all) AccumulateV<dt, R>(s, c, jb_all, je_all, D, &w.acc[(base + r0) * D], w.pf);
+}
+
+// Tokens t0..t0+nq-1 (one request, as the engine lays a chunk out) against KV heads
+// k0..k1-1. A key's KV heads sit side by side in the cache, so a task of all heads reads
+// whole slots of its pages: contiguous runs the hardware prefetcher follows.
+template <ffi::DataType dt>
+void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t k0, int64_t k1, Scratch& w) {
+  const int64_t G = p.G, D = p.D, H = p.H, K = p.K, S = p.pages_per_req * p.page_size;
+  const size_t q_bytes = ffi::ByteWidth(p.q_type);
   // Token i sees keys lo_i..hi_i: 0..positions[t] within the window; a position past the
   // table sees every key, as the reference's mask does; one with no visible key (a negative
   // position) gets zeros.
@@ -227,91 +216,91 @@ void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t kvh, Scratch& w) {
     if (q_hi[i] >= q_lo[i]) {
       lo = std::min(lo, q_lo[i]), hi = std::max(hi, q_hi[i]);
     } else {
-      std::memset(p.out + (t * p.H + kvh * G) * D * q_bytes, 0, G * D * q_bytes);
+      std::memset(p.out + (t * H + k0 * G) * D * q_bytes, 0, (k1 - k0) * G * D * q_bytes);
     }
-    Convert(p.q_type, p.q + (t * p.H + kvh * G) * D * q_bytes, G * D, p.scale,
-            &w.q[i * G * D]);
+    for (int64_t kvh = k0; kvh < k1; ++kvh)
+      Convert(p.q_type, p.q + (t * H + kvh * G) * D * q_bytes, G * D, p.scale,
+              &w.q[((kvh - k0) * nq + i) * G * D]);
   }
   if (hi < lo) return;
-  const int64_t rows_q = nq * G;
+  const int64_t rows_q = nq * (k1 - k0) * G;
   std::fill(w.acc.begin(), w.acc.begin() + rows_q * D, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows_q, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + rows_q, 0.0f);
   const int64_t req = std::clamp<int64_t>(p.req_indices[t0], 0, p.B - 1);
   const int32_t* pages = p.page_table + req * p.pages_per_req;
 
-  // Rows (layer, page, slot, kvh) of [L, P, page_size, K(, D)] for keys lo, lo+1, ...: the
+  // Rows (layer, page, slot, 0) of [L, P, page_size, K(, D)] for keys lo, lo+1, ...: the
   // slot steps through the page, avoiding a division per key.
   int64_t page_idx = lo / p.page_size, slot = lo % p.page_size, page_row = 0;
   auto set_page = [&] {
     const int64_t page = std::clamp<int64_t>(pages[page_idx], 0, p.P - 1);
-    page_row = (p.layer * p.P + page) * p.page_size * p.K + kvh;
+    page_row = (p.layer * p.P + page) * p.page_size * K;
   };
   set_page();
   auto next_row = [&] {
-    const int64_t row = page_row + slot * p.K;
+    const int64_t row = page_row + slot * K;
     if (++slot == p.page_size && ++page_idx < p.pages_per_req) slot = 0, set_page();
     return row;
   };
-  const int64_t row_bytes = D * kv_bytes;
-  auto prefetch = [&](int64_t row) {
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(p.k + row * row_bytes + b, _MM_HINT_T0);
-      _mm_prefetch(p.v + row * row_bytes + b, _MM_HINT_T0);
+  const int64_t row_bytes = D * ffi::ByteWidth(dt), slot_bytes = (k1 - k0) * row_bytes;
+  struct Slots {
+    int64_t s0, n, row[kChunk];  // the chunk's keys s0..s0+n-1: their rows for KV head 0
+  };
+  auto fill = [&](Slots& c, int64_t s0) {  // and start prefetching its slots
+    c.s0 = s0, c.n = std::min(kChunk, hi - s0 + 1);
+    w.pf.Reset(2 * c.n, slot_bytes);
+    for (int64_t j = 0; j < c.n; ++j) {
+      c.row[j] = next_row();
+      w.pf.start[j] = p.k + (c.row[j] + k0) * row_bytes;
+      w.pf.start[c.n + j] = p.v + (c.row[j] + k0) * row_bytes;
     }
   };
-  // Rows come from pages scattered over the cache, which the hardware prefetcher cannot
-  // follow: each block asks for the next block's rows while it computes.
-  int64_t rows[kBlock], next[kBlock];
-  for (int64_t j = 0; j < std::min(kBlock, hi - lo + 1); ++j) prefetch(rows[j] = next_row());
-  const float *krow[kBlock], *vrow[kBlock];
-  float* sg = w.s.data();
-  static_assert(kBlock == 16, "the softmax below works on two vectors of scores");
-  for (int64_t s0 = lo; s0 <= hi; s0 += kBlock) {
-    const int64_t n = std::min(kBlock, hi - s0 + 1);
-    const int64_t n_next = std::min(kBlock, hi - s0 - kBlock + 1);
-    for (int64_t j = 0; j < n_next; ++j) prefetch(next[j] = next_row());
-    for (int64_t j = 0; j < n; ++j) {
-      krow[j] = ToF32(p.kv_type, p.k + rows[j] * row_bytes, D,
-                      p.k_scale ? p.k_scale[rows[j]] : 1.0f, w.k.data() + j * D);
-      vrow[j] = ToF32(p.kv_type, p.v + rows[j] * row_bytes, D,
-                      p.v_scale ? p.v_scale[rows[j]] : 1.0f, w.v.data() + j * D);
-    }
-    for (int64_t j = n; j < kBlock; ++j) krow[j] = krow[n - 1];  // scores masked below
-    for (int64_t i = 0; i < nq; ++i) {
-      // This token's keys in the block: [jb, je).
-      const int64_t jb = std::max<int64_t>(q_lo[i] - s0, 0), je = std::min(q_hi[i] - s0 + 1, n);
-      if (jb >= je) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
-        for (int64_t j = jb & ~int64_t{7}; j < je; j += 8) Dot8(&w.q[r * D], krow + j, D, sg + j);
-        for (int64_t j = 0; j < kBlock; ++j)
-          if (j < jb || j >= je) sg[j] = -std::numeric_limits<float>::infinity();
-        __m256 s_lo = _mm256_loadu_ps(sg), s_hi = _mm256_loadu_ps(sg + 8);
-        const float mx = std::max(w.m[r], HMax(_mm256_max_ps(s_lo, s_hi)));
-        const float corr = std::exp(w.m[r] - mx);  // 0 on the first block (m = -inf)
-        const __m256 mxv = _mm256_set1_ps(mx);
-        s_lo = Exp8(_mm256_sub_ps(s_lo, mxv));  // masked keys: exactly 0
-        s_hi = Exp8(_mm256_sub_ps(s_hi, mxv));
-        _mm256_storeu_ps(sg, s_lo), _mm256_storeu_ps(sg + 8, s_hi);
-        w.m[r] = mx;
-        w.l[r] = w.l[r] * corr + HSum(_mm256_add_ps(s_lo, s_hi));
-        float* acc = &w.acc[r * D];
-        if (corr != 1.0f)
-          for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-        AccumulateV(sg + jb, vrow + jb, je - jb, D, acc);
+  Slots slots[2];
+  Chunk c;
+  fill(slots[0], lo);
+  for (int64_t s0 = lo, b = 0; s0 <= hi; s0 += kChunk, b ^= 1) {
+    w.pf.Finish();  // this chunk's slots
+    if (s0 + kChunk <= hi) fill(slots[b ^ 1], s0 + kChunk);
+    c.s0 = s0, c.n = slots[b].n;
+    for (int64_t kvh = k0; kvh < k1; ++kvh) {
+      for (int64_t j = 0; j < kChunk; ++j) {  // past n: padding, masked and never summed
+        const int64_t row = slots[b].row[std::min(j, c.n - 1)] + kvh;
+        c.k[j] = p.k + row * row_bytes, c.v[j] = p.v + row * row_bytes;
+        c.ks[j] = p.k_scale && j < c.n ? p.k_scale[row] : 1.0f;
+        c.vs[j] = p.v_scale && j < c.n ? p.v_scale[row] : 1.0f;
+      }
+      const int64_t base = (kvh - k0) * nq * G;
+      for (int64_t r0 = 0; r0 < nq * G; r0 += kRows) {
+        switch (std::min<int64_t>(kRows, nq * G - r0)) {
+          case 1: AttendRows<dt, 1>(p, c, base, r0, q_lo, q_hi, w); break;
+          case 2: AttendRows<dt, 2>(p, c, base, r0, q_lo, q_hi, w); break;
+          default: AttendRows<dt, 3>(p, c, base, r0, q_lo, q_hi, w);
+        }
       }
     }
-    std::copy(next, next + std::max<int64_t>(n_next, 0), rows);
+  }
+  for (int64_t r = 0; r < rows_q; ++r) {
+    const float inv = 1.0f / w.l[r];  // a token with no key: l = 0, but it is not written
+    for (int64_t d = 0; d < D; ++d) w.acc[r * D + d] *= inv;
   }
   for (int64_t i = 0; i < nq; ++i) {
     if (q_hi[i] < q_lo[i]) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      const float inv = 1.0f / w.l[i * G + g];
-      for (int64_t d = 0; d < D; ++d) w.acc[(i * G + g) * D + d] *= inv;
-    }
-    FromF32(p.q_type, &w.acc[i * G * D], G * D,
-            p.out + ((t0 + i) * p.H + kvh * G) * D * q_bytes);
+    for (int64_t kvh = k0; kvh < k1; ++kvh)
+      FromF32(p.q_type, &w.acc[((kvh - k0) * nq + i) * G * D], G * D,
+              p.out + ((t0 + i) * H + kvh * G) * D * q_bytes);
+  }
+}
+
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, Scratch&);
+
+AttendFn AttendFor(ffi::DataType kv_type) {
+  switch (kv_type) {
+    case ffi::DataType::F32: return Attend<ffi::DataType::F32>;
+    case ffi::DataType::BF16: return Attend<ffi::DataType::BF16>;
+    case ffi::DataType::F16: return Attend<ffi::DataType::F16>;
+    case ffi::DataType::S8: return Attend<ffi::DataType::S8>;
+    default: return Attend<ffi::DataType::F8E4M3FN>;  // the handler checked
   }
 }
 
@@ -370,23 +359,26 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   int64_t keys = 0;
   for (int64_t t = 0; t < p.T; ++t) keys += std::clamp<int64_t>(p.positions[t] + 1, 0, S);
   const bool small = keys * p.K * (p.G + 1) * p.D < (int64_t{1} << 19);
-  // Tiles: runs of up to kTile tokens of one request. Tasks (tile, KV head) cost up to their
-  // positions: a prefill chunk's last tokens are its dearest, so workers take tasks from a
-  // shared counter instead of fixed ranges.
+  // Tiles: runs of up to kTile tokens of one request. A task is a tile against all KV heads,
+  // or against one when there are too few tiles to keep every thread busy. Tasks cost up to
+  // their positions: a prefill chunk's last tokens are its dearest, so workers take tasks
+  // from a shared counter instead of fixed ranges.
   std::vector<int64_t> tiles;  // first token of each tile, then T
   for (int64_t t = 0; t < p.T; ++t)
     if (tiles.empty() || t - tiles.back() == kTile || p.req_indices[t] != p.req_indices[t - 1])
       tiles.push_back(t);
   tiles.push_back(p.T);
-  const int64_t tasks = (int64_t(tiles.size()) - 1) * p.K;
-  const int64_t workers =
-      small ? 1 : std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), tasks);
+  const int64_t threads = small ? 1 : std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t n_tiles = int64_t(tiles.size()) - 1;
+  const int64_t heads = n_tiles >= 4 * threads ? p.K : 1;  // KV heads per task
+  const int64_t per_tile = p.K / heads, tasks = n_tiles * per_tile;
   std::atomic<int64_t> next(0);
-  xlaserve::ParallelFor(pool, workers, [&](int64_t, int64_t) {
+  const AttendFn attend = AttendFor(p.kv_type);
+  xlaserve::ParallelFor(pool, std::min(threads, tasks), [&](int64_t, int64_t) {
     Scratch w(p);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int64_t tile = i / p.K;
-      Attend(p, tiles[tile], tiles[tile + 1] - tiles[tile], i % p.K, w);
+      const int64_t tile = i / per_tile, k0 = i % per_tile * heads;
+      attend(p, tiles[tile], tiles[tile + 1] - tiles[tile], k0, k0 + heads, w);
     }
   });
   return ffi::Error::Success();
