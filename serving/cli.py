@@ -30,8 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize an unquantized model's weights as it loads: int8 (per "
                         "channel), fp8 (per tensor, fp8 GEMM) or a recipe such as "
                         "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
-                   help="KV cache storage: the model's dtype, or int8 / fp8 with scales")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16", "int8", "fp8"],
+                   help="KV cache storage: the model's dtype, a float dtype, or int8 / fp8 "
+                        "with scales")
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),

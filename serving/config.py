@@ -26,7 +26,7 @@ class EngineConfig:
     # Weights: None keeps the checkpoint's (a quantized checkpoint loads quantized); "int8",
     # "fp8" or a recipe spec (quant/recipe.py) quantizes an unquantized model as it loads.
     quantize: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8", with scales
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), a float dtype, or "int8" / "fp8"
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
