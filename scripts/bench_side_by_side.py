@@ -235,8 +235,9 @@ that re-tokenize to exactly the prompt length, a fixed number of output tokens w
 
 - **ours**: `xlaserve serve` on the converted demo checkpoint, its weights and tied head
   quantized to int8 per output channel as it loads (`--quantize int8:lm_head`; llama.cpp's
-  Q4_1 file holds 4-bit weights). On a CPU the int8 matmuls and the paged attention run in our
-  C++ kernels (`pallas_kernels/cpu/`).
+  Q4_1 file holds 4-bit weights), with a float16 KV cache (`--kv-cache-dtype float16`, the
+  cache type llama.cpp uses by default). On a CPU the int8 matmuls and the paged attention run
+  in our C++ kernels (`pallas_kernels/cpu/`).
 - **llama.cpp**: `llama-server` built from the llama.cpp sources in the `llama-cpp-python` sdist
   (CPU, Release, `-march=native`), built once into `~/.cache/xlaserve/llama.cpp/`, running the demo
   GGUF (Q4_1) with 64 slots, a context of slots x (prompt + output + 16) tokens and 2 threads.
@@ -298,9 +299,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slots", type=int, default=64, help="max sequences / slots / batch per server")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
-    p.add_argument("--ours-args", default="--quantize int8:lm_head",
+    p.add_argument("--ours-args", default="--quantize int8:lm_head --kv-cache-dtype float16",
                    help="extra flags for `xlaserve serve` (default: int8 weights and head, "
-                        "the fastest form on a CPU)")
+                        "the fastest form on a CPU, and a float16 KV cache as llama.cpp's)")
     p.add_argument("--llama-args", default="", help="extra flags for llama-server")
     p.add_argument("--start-timeout", type=float, default=1800.0)
     p.add_argument("--docs", default=str(ROOT / "docs"))
