@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-buckets", type=ints, default=None)
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--quantize", default=None, help="as `xlaserve serve --quantize`")
+    p.add_argument("--kv-cache-dtype", default="auto", help="as `xlaserve serve --kv-cache-dtype`")
     return p.parse_args(argv)
 
 
@@ -56,7 +57,7 @@ def engine_config(args, max_num_seqs: int) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   token_buckets=args.token_buckets, page_buckets=args.page_buckets,
-                  quantize=args.quantize, progress=False)
+                  quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, progress=False)
     if args.compilation_cache_dir:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return EngineConfig(**kwargs)
