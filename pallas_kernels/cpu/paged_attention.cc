@@ -35,8 +35,9 @@ constexpr int64_t kChunk = 32;  // keys per online-softmax step, a multiple of 8
 constexpr int64_t kTile = 4;    // query tokens of one request sharing each chunk of keys
 constexpr int kRows = 3;        // query rows (token, head) per register block
 
-// One chunk of keys s0..s0+n-1: its K and V rows in the cache, and their scales (1 for
-// unquantized caches). Rows past n repeat the last one, up to a multiple of 8.
+// One chunk of keys s0..s0+n-1 for one KV head: its K and V rows in the cache, and their
+// scales (1 for unquantized caches). Entries past n repeat the last row: padding whose scores
+// are masked and whose values are never summed.
 struct Chunk {
   int64_t s0, n;
   const char* k[kChunk];
@@ -200,7 +201,7 @@ void AttendRows(const Problem& p, const Chunk& c, int64_t base, int64_t r0, cons
 
 // Tokens t0..t0+nq-1 (one request, as the engine lays a chunk out) against KV heads
 // k0..k1-1. A key's KV heads sit side by side in the cache, so a task of all heads reads
-// whole slots of its pages: contiguous runs the hardware prefetcher follows.
+// whole slots of its pages: contiguous runs of memory rather than a third of each slot.
 template <ffi::DataType dt>
 void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t k0, int64_t k1, Scratch& w) {
   const int64_t G = p.G, D = p.D, H = p.H, K = p.K, S = p.pages_per_req * p.page_size;
@@ -264,7 +265,7 @@ void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t k0, int64_t k1, Sc
     if (s0 + kChunk <= hi) fill(slots[b ^ 1], s0 + kChunk);
     c.s0 = s0, c.n = slots[b].n;
     for (int64_t kvh = k0; kvh < k1; ++kvh) {
-      for (int64_t j = 0; j < kChunk; ++j) {  // past n: padding, masked and never summed
+      for (int64_t j = 0; j < kChunk; ++j) {
         const int64_t row = slots[b].row[std::min(j, c.n - 1)] + kvh;
         c.k[j] = p.k + row * row_bytes, c.v[j] = p.v + row * row_bytes;
         c.ks[j] = p.k_scale && j < c.n ? p.k_scale[row] : 1.0f;
