@@ -13,6 +13,9 @@ FAMILIES = {
     "Qwen3ForCausalLM": (False, True),
 }
 DTYPES = ("float32", "bfloat16", "float16")
+# KV cache storage (model/kv_cache.py): "auto" is the model's dtype; a float dtype stores K/V
+# rounded to it; int8 / fp8 store them quantized with a scale per (token, KV head).
+KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 
 
 class ConfigError(ValueError):

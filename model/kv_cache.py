@@ -13,11 +13,10 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from quant.array import quantize
 
-# kv_cache_dtype -> storage dtype; "auto" (or None) stores K/V in the model's dtype. A float
-# dtype stores them rounded to it (a float32 model with a float16 cache, as llama.cpp's default).
+# kv_cache_dtype (one of KV_CACHE_DTYPES) -> storage dtype; "auto" (or None) stores K/V in
+# the model's dtype. A float dtype stores them rounded to it (a float32 model with a float16
+# cache, as llama.cpp's default).
 QUANTIZED_KV = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-FLOAT_KV = ("float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", *FLOAT_KV, *QUANTIZED_KV)
 
 
 def kv_storage_dtype(cfg: ModelConfig, kv_cache_dtype=None):

@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 
+from model.config import KV_CACHE_DTYPES
 from serving.config import EngineConfig
 
 
@@ -30,8 +31,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize an unquantized model's weights as it loads: int8 (per "
                         "channel), fp8 (per tensor, fp8 GEMM) or a recipe such as "
                         "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "float16", "bfloat16", "int8", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: the model's dtype, a float dtype, or int8 / fp8 "
                         "with scales")
     p.add_argument("--compilation-cache-dir", default=None)

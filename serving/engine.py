@@ -17,9 +17,9 @@ import jax
 
 from model.attention import resolve_backend
 from model.checkpoint import load_model, param_bytes
-from model.config import ModelConfig
+from model.config import KV_CACHE_DTYPES, ModelConfig
 from model.transformer import init_params
-from model.kv_cache import KV_CACHE_DTYPES, bytes_per_page
+from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization, quantize_params
 from serving import sizing
 from serving.config import EngineConfig
