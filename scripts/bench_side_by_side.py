@@ -1,5 +1,6 @@
 """Side by side on this machine: our server, llama.cpp's llama-server and a Hugging Face
-transformers baseline, the same demo model and the same requests, one server at a time.
+transformers baseline, the same demo model and the same requests, the servers taking turns
+level by level, --rounds times.
 
     python scripts/bench_side_by_side.py [--levels 1:4,16:16,64:64] [--only ours,llama.cpp,hf]
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -24,6 +26,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -149,35 +152,73 @@ def parse_levels(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def run_server(name: str, args, levels, requests, hf_dir: Path, log_dir: Path) -> list[dict]:
+def start_server(stack: contextlib.ExitStack, name: str, args, hf_dir: Path,
+                 log_dir: Path) -> tuple[Server, str, float]:
+    """Starts one server and waits for it: (server, its model name, seconds to healthy)."""
     port = free_port()
-    results = []
-    with Server(name, server_command(name, args, port, hf_dir), port, log_dir) as server:
-        ready = server.wait_healthy(args.start_timeout)
-        print(f"[{name}] healthy after {ready:.0f} s", flush=True)
-        model = asyncio.run(bs.first_model(server.base_url))
-        for conc, n in levels:
-            print(f"\n[{name}] concurrency {conc}, {n} prompts", flush=True)
-            r = asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model,
-                                             requests[:n], max_concurrency=conc,
-                                             seed=args.seed, num_warmups=1))
-            for key in ("input_lens", "output_lens", "ttfts", "itls"):
-                r.pop(key)
-            r |= {"server": name, "sweep_value": conc, "startup_s": ready}
-            results.append(r)
-    return results
+    server = stack.enter_context(Server(name, server_command(name, args, port, hf_dir), port,
+                                        log_dir))
+    ready = server.wait_healthy(args.start_timeout)
+    print(f"[{name}] healthy after {ready:.0f} s", flush=True)
+    return server, asyncio.run(bs.first_model(server.base_url)), ready
+
+
+def run_level(live: tuple[Server, str, float], conc: int, requests, args, rnd: int) -> dict:
+    server, model, ready = live
+    print(f"\n[{server.name}] round {rnd + 1}: concurrency {conc}, {len(requests)} prompts",
+          flush=True)
+    r = asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, requests,
+                                     max_concurrency=conc, seed=args.seed, num_warmups=1))
+    for key in ("input_lens", "output_lens", "ttfts", "itls"):
+        r.pop(key)
+    return r | {"server": server.name, "sweep_value": conc, "startup_s": ready, "round": rnd}
+
+
+METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per server and level: each metric's median over the rounds, failures summed."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["server"], r["sweep_value"]), []).append(r)
+    rows = []
+    for rs in groups.values():
+        row = {k: v for k, v in rs[0].items() if k != "round"}
+        row |= {m: statistics.median(r[m] for r in rs) for m in METRICS}
+        row |= {"failed": sum(r["failed"] for r in rs), "rounds": len(rs)}
+        rows.append(row)
+    return rows
+
+
+def paired_ratios(runs: list[dict], conc: int, key: str) -> list[float]:
+    """ours / llama.cpp of one metric at one level, one ratio per round: both servers ran that
+    level back to back, so a drift in the machine's speed between rounds cancels out."""
+    by = {(r["server"], r["sweep_value"], r["round"]): r for r in runs}
+    return [a[key] / b[key] for (s, c, rnd), a in sorted(by.items())
+            if s == "ours" and c == conc and (b := by.get(("llama.cpp", c, rnd)))]
 
 
 def _ms(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def render_section(results: list[dict], meta: dict) -> str:
+def _ratio(values: list[float]) -> str:
+    """The median of the rounds' ratios, and their range when there are several."""
+    text = f"{statistics.median(values):.2f}"
+    return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
+
+
+def render_section(runs: list[dict], meta: dict) -> str:
+    results = summarize(runs)
     by = {(r["server"], r["sweep_value"]): r for r in results}
     levels = sorted({r["sweep_value"] for r in results})
     servers = [s for s in SERVERS if any(r["server"] == s for r in results)]
+    rounds = max(r["rounds"] for r in results)
+    how = (f"{rounds} rounds, each level run on every server back to back; each figure is the "
+           "median over the rounds" if rounds > 1 else "one round")
     lines = [BEGIN, "", f"Run {meta['date']} on {meta['machine']}; "
-             f"commit {meta['commit']}; {meta['workload']}; load average "
+             f"commit {meta['commit']}; {meta['workload']}; {how}; load average "
              f"{meta.get('load_end', 0):.1f} at the end.", "",
              "| streams | prompts | server | output tok/s | median TTFT (ms) | median TPOT (ms) "
              "| p99 ITL (ms) | failed |",
@@ -189,17 +230,18 @@ def render_section(results: list[dict], meta: dict) -> str:
                              f"| {_ms(r['median_ttft_ms'])} | {_ms(r['median_tpot_ms'])} "
                              f"| {_ms(r['p99_itl_ms'])} | {r['failed']} |")
     if "ours" in servers and "llama.cpp" in servers:
-        lines += ["", "Ratios, ours / llama.cpp (issue 7's goal in brackets):", "",
-                  "| streams | output tok/s | median TTFT | median TPOT |", "|---:|---:|---:|---:|"]
+        lines += ["", "Ratios, ours / llama.cpp, the median of the rounds' ratios"
+                  + (" (their range)" if rounds > 1 else "") + "; issue 7's goal in brackets:",
+                  "", "| streams | output tok/s | median TTFT | median TPOT |",
+                  "|---:|---:|---:|---:|"]
         goals = {1: ("", "", " [<= 1.5]"), 16: (" [>= 2]", " [< 1]", ""), 64: (" [>= 3]", "", "")}
         for conc in levels:
-            a, b = by.get(("ours", conc)), by.get(("llama.cpp", conc))
-            if a and b:
+            cells = [paired_ratios(runs, conc, key) for key in
+                     ("output_throughput", "median_ttft_ms", "median_tpot_ms")]
+            if cells[0]:
                 g = goals.get(conc, ("", "", ""))
-                lines.append(
-                    f"| {conc} | {a['output_throughput'] / b['output_throughput']:.2f}{g[0]} "
-                    f"| {a['median_ttft_ms'] / b['median_ttft_ms']:.2f}{g[1]} "
-                    f"| {a['median_tpot_ms'] / b['median_tpot_ms']:.2f}{g[2]} |")
+                lines.append(f"| {conc} | " + " | ".join(
+                    _ratio(c) + goal for c, goal in zip(cells, g)) + " |")
     lines += ["", "Server start-up to healthy (s): " + ", ".join(
         f"{s} {next(r['startup_s'] for r in results if r['server'] == s):.0f}" for s in servers),
         "", "Commands:", ""] + [f"- {s}: `{meta['commands'][s]}`" for s in servers]
@@ -227,8 +269,10 @@ its definitions:
 - **Output tok/s**: output tokens / duration, where the duration runs from the first request
   sent to the last one finished. Output tokens come from `usage.completion_tokens`.
 
-`scripts/bench_side_by_side.py` starts each server in turn on a loopback port, waits for
-`/health`, and sends every server the same seeded requests: random token prompts
+`scripts/bench_side_by_side.py` starts the servers one after another on loopback ports and
+waits for each one's `/health`. Then it runs every level on each server in turn, so both run
+each level back to back, and does this `--rounds` times (3 by default). An idle server
+takes no CPU time. Every server gets the same seeded requests: random token prompts
 that re-tokenize to exactly the prompt length, a fixed number of output tokens with
 `ignore_eos`, greedy, `/v1/completions`, a fixed number of streams in flight
 (`--max-concurrency`). The servers:
@@ -248,8 +292,11 @@ that re-tokenize to exactly the prompt length, a fixed number of output tokens w
 Regenerate with `python scripts/bench_side_by_side.py` (it rewrites only the part between the
 markers below; `--levels 1:4,16:16` picks the points; `--only ours,llama.cpp` runs only
 those servers, and the table then shows only them).
-This machine is shared with other jobs (each run records the load average), so compare the
-servers within one run, as ratios, not across runs.
+This machine is shared with other jobs (each run records the load average), and its speed
+drifts by 20% and more within an hour, so compare the servers within one run, as ratios, not
+across runs. The table gives each figure's median over the rounds. A ratio is the median of
+the rounds' ratios, each taken between two runs of one level made back to back. The range of
+the rounds' ratios goes with it.
 
 ## Side by side: ours, llama.cpp, transformers
 
@@ -303,6 +350,8 @@ def main(argv=None) -> int:
                    help="extra flags for `xlaserve serve` (default: int8 weights and head, "
                         "the fastest form on a CPU, and a float16 KV cache as llama.cpp's)")
     p.add_argument("--llama-args", default="", help="extra flags for llama-server")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="times each level runs on each server, servers taking turns level by level")
     p.add_argument("--start-timeout", type=float, default=1800.0)
     p.add_argument("--docs", default=str(ROOT / "docs"))
     args = p.parse_args(argv)
@@ -324,15 +373,21 @@ def main(argv=None) -> int:
                         f"tokens (ignore_eos, greedy), /v1/completions, seed {args.seed}",
             "commands": {s: shlex.join(server_command(s, args, "PORT", hf_dir)).replace(
                 str(Path.home()), "~").replace(str(ROOT) + "/", "") for s in names}}
-    results = []
-    for name in names:
-        results += run_server(name, args, levels, requests, hf_dir, log_dir)
+    runs = []
+    with contextlib.ExitStack() as stack:  # all up at once, started one after another
+        live = {name: start_server(stack, name, args, hf_dir, log_dir) for name in names}
+        for rnd in range(args.rounds):
+            for conc, n in levels:
+                for name in names:
+                    runs.append(run_level(live[name], conc, requests[:n], args, rnd))
     meta["load_end"] = os.getloadavg()[0]
-    json.dump({"meta": meta, "results": results}, open(docs / "benchmarks.json", "w"), indent=1)
-    series = {s: [r for r in results if r["server"] == s] for s in names}
+    json.dump({"meta": meta, "results": runs}, open(docs / "benchmarks.json", "w"), indent=1)
+    results = summarize(runs)
+    series = {s: sorted((r for r in results if r["server"] == s), key=lambda r: r["sweep_value"])
+              for s in names}
     bs.plot_sweep(series, str(docs / "benchmarks.png"), label_key="sweep_value",
                   title=f"demo model, {meta['workload'].split(',')[0]}; labels: streams")
-    section = render_section(results, meta)
+    section = render_section(runs, meta)
     update_doc(docs / "benchmarks.md", section)
     print("\n" + section)
     return 0

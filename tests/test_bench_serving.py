@@ -223,7 +223,7 @@ def test_side_by_side_rewrites_only_its_section(tmp_path):
     spec.loader.exec_module(sbs)
     r = {"server": "ours", "sweep_value": 16, "num_prompts": 16, "output_throughput": 200.0,
          "median_ttft_ms": 500.0, "median_tpot_ms": 20.0, "p99_itl_ms": 40.0, "failed": 0,
-         "startup_s": 3.0}
+         "startup_s": 3.0, "round": 0}
     meta = {"date": "d", "machine": "m", "commit": "c", "workload": "w", "load_end": 1.0,
             "commands": {"ours": "x", "llama.cpp": "y"}}
     results = [r, r | {"server": "llama.cpp", "output_throughput": 100.0, "median_ttft_ms": 1000.0,
@@ -235,3 +235,29 @@ def test_side_by_side_rewrites_only_its_section(tmp_path):
     text = doc.read_text()
     assert text.count(sbs.BEGIN) == 1 and "notes the lead keeps" in text
     assert "| 16 | 2.00 [>= 2] | 0.50 [< 1] | 2.00 |" in text  # ours / llama.cpp ratios
+    assert "one round" in text
+
+
+def test_side_by_side_rounds_pair_each_level(tmp_path):
+    """With several rounds the table shows each metric's median over the rounds, and a ratio is
+    the median of the rounds' ratios: the machine slowing down between rounds cancels out."""
+    spec = importlib.util.spec_from_file_location("bench_side_by_side",
+                                                  _PATH.parent / "bench_side_by_side.py")
+    sbs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sbs)
+    base = {"sweep_value": 64, "num_prompts": 64, "median_ttft_ms": 100.0, "median_tpot_ms": 10.0,
+            "p99_itl_ms": 20.0, "failed": 0, "startup_s": 1.0}
+    tok_s = [(200.0, 100.0), (300.0, 100.0), (240.0, 120.0)]  # (ours, llama.cpp) per round
+    runs = [base | {"server": s, "round": i, "output_throughput": v, "failed": int(s == "ours")}
+            for i, pair in enumerate(tok_s) for s, v in zip(("ours", "llama.cpp"), pair)]
+    rows = {r["server"]: r for r in sbs.summarize(runs)}
+    assert rows["ours"]["output_throughput"] == 240.0 and rows["ours"]["rounds"] == 3
+    assert rows["llama.cpp"]["output_throughput"] == 100.0
+    assert rows["ours"]["failed"] == 3 and rows["llama.cpp"]["failed"] == 0
+    assert sbs.paired_ratios(runs, 64, "output_throughput") == [2.0, 3.0, 2.0]
+    meta = {"date": "d", "machine": "m", "commit": "c", "workload": "w", "load_end": 1.0,
+            "commands": {"ours": "x", "llama.cpp": "y"}}
+    text = sbs.render_section(runs, meta)
+    # 2.00, not 240 / 100: each round's ratio first, then their median
+    assert "| 64 | 2.00 (2.00-3.00) [>= 3] | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) |" in text
+    assert "| 64 | 64 | ours | 240.0 |" in text and "3 rounds" in text
