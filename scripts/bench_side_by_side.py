@@ -4,9 +4,9 @@ level by level, --rounds times.
 
     python scripts/bench_side_by_side.py [--levels 1:4,16:16,64:64] [--only ours,llama.cpp,hf]
 
-Each level is CONCURRENCY:NUM_PROMPTS; every level sends the first NUM_PROMPTS of one seeded
-random dataset (fixed --input-len / --output-len, ignore_eos, greedy) to /v1/completions with
-scripts/bench_serving.py. Writes the table between the markers in docs/benchmarks.md (the rest
+Each level is CONCURRENCY:NUM_PROMPTS; each level of each round sends NUM_PROMPTS prompts of
+its own, the same to every server, from one seeded random dataset (fixed --input-len /
+--output-len, ignore_eos, greedy) to /v1/completions with scripts/bench_serving.py. Writes the table between the markers in docs/benchmarks.md (the rest
 of the file is kept), docs/benchmarks.png and docs/benchmarks.json. It is a benchmark, not a test.
 
 llama-server is built once (CPU, Release) from the llama.cpp sources inside the llama-cpp-python
@@ -163,12 +163,17 @@ def start_server(stack: contextlib.ExitStack, name: str, args, hf_dir: Path,
     return server, asyncio.run(bs.first_model(server.base_url)), ready
 
 
-def run_level(live: tuple[Server, str, float], conc: int, requests, args, rnd: int) -> dict:
+def run_level(live: tuple[Server, str, float], conc: int, warmup, requests, args,
+              rnd: int) -> dict:
+    """One level on one server. The warm-up request has a prompt of its own: llama-server
+    keeps each slot's last prompt and skips the prefill of a prompt it has seen."""
     server, model, ready = live
     print(f"\n[{server.name}] round {rnd + 1}: concurrency {conc}, {len(requests)} prompts",
           flush=True)
+    asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, [warmup],
+                                 max_concurrency=1, num_warmups=0, quiet=True))
     r = asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, requests,
-                                     max_concurrency=conc, seed=args.seed, num_warmups=1))
+                                     max_concurrency=conc, seed=args.seed, num_warmups=0))
     for key in ("input_lens", "output_lens", "ttfts", "itls"):
         r.pop(key)
     return r | {"server": server.name, "sweep_value": conc, "startup_s": ready, "round": rnd}
@@ -275,7 +280,9 @@ each level back to back, and does this `--rounds` times (3 by default). An idle 
 takes no CPU time. Every server gets the same seeded requests: random token prompts
 that re-tokenize to exactly the prompt length, a fixed number of output tokens with
 `ignore_eos`, greedy, `/v1/completions`, a fixed number of streams in flight
-(`--max-concurrency`). The servers:
+(`--max-concurrency`). Each level of each round has prompts of its own, and so has its
+warm-up request: llama-server keeps each slot's last prompt and skips the prefill of a
+prompt it has seen. The servers:
 
 - **ours**: `xlaserve serve` on the converted demo checkpoint, its weights and tied head
   quantized to int8 per output channel as it loads (`--quantize int8:lm_head`; llama.cpp's
@@ -359,8 +366,13 @@ def main(argv=None) -> int:
     from model.demo import cache_dir, fetch_demo_model
     hf_dir = fetch_demo_model(cache_dir() / "demo" / "SmolLM2-135M-Instruct-hf")
     levels = parse_levels(args.levels)
-    requests = bs.random_dataset(max(n for _, n in levels), args.input_len, args.output_len,
-                                 args.seed, bs.load_tokenizer(str(hf_dir)))
+    # Every round and level gets prompts of its own (and one for its warm-up): a server with a
+    # prefix cache (llama-server) would otherwise skip the prefill of prompts seen before.
+    prompts = iter(bs.random_dataset(args.rounds * sum(n + 1 for _, n in levels),
+                                     args.input_len, args.output_len, args.seed,
+                                     bs.load_tokenizer(str(hf_dir))))
+    plan = [(rnd, conc, [next(prompts) for _ in range(n + 1)])
+            for rnd in range(args.rounds) for conc, n in levels]
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     log_dir = LLAMA_CACHE.parent / "bench-logs"
@@ -376,10 +388,9 @@ def main(argv=None) -> int:
     runs = []
     with contextlib.ExitStack() as stack:  # all up at once, started one after another
         live = {name: start_server(stack, name, args, hf_dir, log_dir) for name in names}
-        for rnd in range(args.rounds):
-            for conc, n in levels:
-                for name in names:
-                    runs.append(run_level(live[name], conc, requests[:n], args, rnd))
+        for rnd, conc, (warmup, *requests) in plan:
+            for name in names:
+                runs.append(run_level(live[name], conc, warmup, requests, args, rnd))
     meta["load_end"] = os.getloadavg()[0]
     json.dump({"meta": meta, "results": runs}, open(docs / "benchmarks.json", "w"), indent=1)
     results = summarize(runs)
