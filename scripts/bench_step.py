@@ -9,11 +9,18 @@ the engine does. Sampling is not included.
     python scripts/bench_step.py                                   # the demo model, float32
     python scripts/bench_step.py --shapes 1x1x16,64x64x16 --attention-backend reference
     python scripts/bench_step.py --no-attention        # the matmuls and the rest alone
+    python scripts/bench_step.py --shapes 64x64x16 --profile   # where a step's time goes
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
+import re
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -45,6 +52,36 @@ def step_batch(T: int, R: int, P: int, page_size: int, num_pages: int, context: 
     return Batch(*(jax.numpy.asarray(a, np.int32) for a in arrays))
 
 
+def profile(program, params, cache, batch, repeats: int):
+    """Runs the step `repeats` times under jax.profiler; -> (ms per step by op kind, cache).
+    Our kernels are named by their FFI target (q8_matmul by its output width), XLA's ops by
+    their fusion kind. The time of a call is the calling thread's: a kernel's pool workers
+    run inside it."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(repeats):
+                logits, cache = program(params, cache, batch)
+                logits.block_until_ready()
+        path = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]
+        with gzip.open(path) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    hlo = program.as_text()
+    kind = {m[1]: m[3] for m in re.finditer(r"%?([\w.-]+) = (\S+) [^\n]*custom_call_target="
+                                             r"\"(\w+)\"", hlo)}
+    for m in re.finditer(r"%?([\w.-]+) = f32\[\d+,(\d+)\][^\n]*custom_call_target="
+                         r"\"xlaserve_q8_matmul\"", hlo):
+        kind[m[1]] = f"xlaserve_q8_matmul N={m[2]}"
+    threads = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
+               and e.get("name") == "thread_name" and "XLA" in e["args"]["name"]}
+    totals = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and (e["pid"], e["tid"]) in threads \
+                and not e["name"].startswith(("ThunkExecutor", "end:")):
+            totals[kind.get(e["name"], re.sub(r"[.\d]+$", "", e["name"]))] += e["dur"] / 1e3
+    return {k: v / repeats for k, v in totals.most_common()}, cache
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the demo checkpoint)")
@@ -57,6 +94,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=200, help="decode position + 1")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--profile", action="store_true",
+                   help="also the step's time by op (kernel or XLA fusion), under jax.profiler")
     p.add_argument("--no-attention", action="store_true",
                    help="attention replaced by the identity: what the rest of a step costs")
     args = p.parse_args()
@@ -91,6 +130,12 @@ def main() -> int:
         best, median = min(times), float(np.median(times))
         print(f"| {T} | {R} | {P} | {compile_s:.1f} | {best * 1e3:.1f} | {median * 1e3:.1f} | "
               f"{T / best:.0f} |", flush=True)
+        if args.profile:
+            by_op, cache = profile(program, params, cache, batch, args.repeats)
+            shown = {k: v for k, v in by_op.items() if v >= 0.05}
+            print(f"  {T}x{R}x{P} by op, ms per step (summed over XLA's threads: "
+                  f"{sum(by_op.values()):.1f}): " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
     return 0
 
 
