@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "prefetch.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -45,23 +46,7 @@ struct Chunk {
   float ks[kChunk], vs[kChunk];
 };
 
-// Software prefetch of the next chunk's K and V slots, a few lines at a time from inside the
-// loops over the current chunk: pages lie scattered over the cache, where the hardware
-// prefetcher cannot follow, and asking for a whole chunk at once stalls the core until most
-// of it has arrived instead of overlapping the reads with arithmetic.
-struct Prefetcher {
-  const char* start[2 * kChunk];  // K slots, then V slots
-  int64_t count = 0, bytes = 0, i = 0, b = 0;
-
-  void Reset(int64_t n, int64_t slot_bytes) { count = n, bytes = slot_bytes, i = b = 0; }
-  void Step(int64_t lines) {
-    for (; lines > 0 && i < count; --lines) {
-      _mm_prefetch(start[i] + b, _MM_HINT_T0);
-      if ((b += 64) >= bytes) b = 0, ++i;
-    }
-  }
-  void Finish() { Step(std::numeric_limits<int64_t>::max()); }
-};
+using Prefetcher = xlaserve::Prefetcher<2 * kChunk>;  // K slots, then V slots
 
 // s[j] = dot(q, k[j]) for the chunk's keys, 8 at a time (each row of K feeds one query row:
 // holding several query rows' sums for 8 keys would spill registers).
@@ -117,18 +102,36 @@ void Softmax(float* sr, const Chunk& c, int64_t jb, int64_t je, float& m, float&
 }
 
 // acc[x] += sum_j p[x * kChunk + j] * v[j] over keys [jb, je), for R rows; 16 columns at a
-// time held in registers, so each value vector loaded feeds R rows.
+// time held in registers, so each value vector loaded feeds R rows. Even and odd keys go to
+// separate sums: one FMA chain per sum would wait on the FMA's latency at every key.
 template <ffi::DataType dt, int R>
 void AccumulateV(const float* p, const Chunk& c, int64_t jb, int64_t je, int64_t D,
                  float* acc, Prefetcher& pf) {
   constexpr size_t w = ffi::ByteWidth(dt);
+  Prefetcher::Cursor next(pf);
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
-    __m256 a[R][2];
+    __m256 a[R][2], b[R][2];
     for (int x = 0; x < R; ++x)
-      for (int y = 0; y < 2; ++y) a[x][y] = _mm256_loadu_ps(acc + x * D + d + 8 * y);
-    for (int64_t j = jb; j < je; ++j) {
-      pf.Step(1);
+      for (int y = 0; y < 2; ++y)
+        a[x][y] = _mm256_loadu_ps(acc + x * D + d + 8 * y), b[x][y] = _mm256_setzero_ps();
+    int64_t j = jb;
+    for (; j + 2 <= je; j += 2) {
+      next.Step();
+      __m256 v0 = Load8<dt>(c.v[j] + d * w), v1 = Load8<dt>(c.v[j] + (d + 8) * w);
+      for (int x = 0; x < R; ++x) {
+        const __m256 px = _mm256_set1_ps(p[x * kChunk + j]);
+        a[x][0] = _mm256_fmadd_ps(px, v0, a[x][0]);
+        a[x][1] = _mm256_fmadd_ps(px, v1, a[x][1]);
+      }
+      v0 = Load8<dt>(c.v[j + 1] + d * w), v1 = Load8<dt>(c.v[j + 1] + (d + 8) * w);
+      for (int x = 0; x < R; ++x) {
+        const __m256 px = _mm256_set1_ps(p[x * kChunk + j + 1]);
+        b[x][0] = _mm256_fmadd_ps(px, v0, b[x][0]);
+        b[x][1] = _mm256_fmadd_ps(px, v1, b[x][1]);
+      }
+    }
+    if (j < je) {
       const __m256 v0 = Load8<dt>(c.v[j] + d * w), v1 = Load8<dt>(c.v[j] + (d + 8) * w);
       for (int x = 0; x < R; ++x) {
         const __m256 px = _mm256_set1_ps(p[x * kChunk + j]);
@@ -137,7 +140,8 @@ void AccumulateV(const float* p, const Chunk& c, int64_t jb, int64_t je, int64_t
       }
     }
     for (int x = 0; x < R; ++x)
-      for (int y = 0; y < 2; ++y) _mm256_storeu_ps(acc + x * D + d + 8 * y, a[x][y]);
+      for (int y = 0; y < 2; ++y)
+        _mm256_storeu_ps(acc + x * D + d + 8 * y, _mm256_add_ps(a[x][y], b[x][y]));
   }
   for (; d + 8 <= D; d += 8) {
     __m256 a[R];
