@@ -254,74 +254,9 @@ def render_section(runs: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-DOC_HEAD = """# Benchmarks
-
-Serving throughput and latency of xlaserve on the machine we have, against llama.cpp's
-`llama-server` and a Hugging Face transformers baseline, with the demo model
-(SmolLM2-135M-Instruct).
-
-## How we measure
-
-`scripts/bench_serving.py` is a load client for any OpenAI-compatible server. It streams every
-request with `stream_options.include_usage` and reports what vLLM's `bench serve` reports, with
-its definitions:
-
-- **TTFT**: send to the first streamed chunk with a non-empty `choices` list.
-- **TPOT**: per request, (E2E latency - TTFT) / (output tokens - 1); E2E ends at the last content
-  chunk. Reported over requests with more than one output token.
-- **ITL**: the gaps between consecutive content chunks (one sample per chunk, so a server that
-  sends several tokens per chunk shows fewer, larger gaps).
-- **Output tok/s**: output tokens / duration, where the duration runs from the first request
-  sent to the last one finished. Output tokens come from `usage.completion_tokens`.
-
-`scripts/bench_side_by_side.py` starts the servers one after another on loopback ports and
-waits for each one's `/health`. Then it runs every level on each server in turn, so both run
-each level back to back, and does this `--rounds` times (3 by default). An idle server
-takes no CPU time. Every server gets the same seeded requests: random token prompts
-that re-tokenize to exactly the prompt length, a fixed number of output tokens with
-`ignore_eos`, greedy, `/v1/completions`, a fixed number of streams in flight
-(`--max-concurrency`). Each level of each round has prompts of its own, and so has its
-warm-up request: llama-server keeps each slot's last prompt and skips the prefill of a
-prompt it has seen. The servers:
-
-- **ours**: `xlaserve serve` on the converted demo checkpoint, its weights and tied head
-  quantized to int8 per output channel as it loads (`--quantize int8:lm_head`; llama.cpp's
-  Q4_1 file holds 4-bit weights), with a float16 KV cache (`--kv-cache-dtype float16`, the
-  cache type llama.cpp uses by default). On a CPU the int8 matmuls and the paged attention run
-  in our C++ kernels (`pallas_kernels/cpu/`).
-- **llama.cpp**: `llama-server` built from the llama.cpp sources in the `llama-cpp-python` sdist
-  (CPU, Release, `-march=native`), built once into `~/.cache/xlaserve/llama.cpp/`, running the demo
-  GGUF (Q4_1) with 64 slots, a context of slots x (prompt + output + 16) tokens and 2 threads.
-- **hf**: transformers `generate` (float32, CPU torch, 2 threads) behind a minimal streaming
-  server inside the script, with static batches of up to 64: a request that arrives while a
-  batch runs waits for the next batch.
-
-Regenerate with `python scripts/bench_side_by_side.py` (it rewrites only the part between the
-markers below; `--levels 1:4,16:16` picks the points; `--only ours,llama.cpp` runs only
-those servers, and the table then shows only them).
-This machine is shared with other jobs (each run records the load average), and its speed
-drifts by 20% and more within an hour, so compare the servers within one run, as ratios, not
-across runs. The table gives each figure's median over the rounds. A ratio is the median of
-the rounds' ratios, each taken between two runs of one level made back to back. The range of
-the rounds' ratios goes with it.
-
-## Side by side: ours, llama.cpp, transformers
-
-"""
-
-
-DOC_TAIL = """
-## Changes
-
-Each change to the serving path with its measured effect, before and after.
-
-| change | what it removes | measured effect |
-|---|---|---|
-"""
-
-
 def update_doc(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else DOC_HEAD + BEGIN + "\n" + END + "\n" + DOC_TAIL
+    # A new file gets a title and the section; docs/benchmarks.md holds how we measure.
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         text = head + section + rest.split(END, 1)[1]
