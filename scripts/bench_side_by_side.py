@@ -6,8 +6,9 @@ level by level, --rounds times.
 
 Each level is CONCURRENCY:NUM_PROMPTS; each level of each round sends NUM_PROMPTS prompts of
 its own, the same to every server, from one seeded random dataset (fixed --input-len /
---output-len, ignore_eos, greedy) to /v1/completions with scripts/bench_serving.py. Writes the table between the markers in docs/benchmarks.md (the rest
-of the file is kept), docs/benchmarks.png and docs/benchmarks.json. It is a benchmark, not a test.
+--output-len, ignore_eos, greedy) to /v1/completions with scripts/bench_serving.py. Writes
+the table between the markers in docs/benchmarks.md (the rest of the file is kept),
+docs/benchmarks.png and docs/benchmarks.json. It is a benchmark, not a test.
 
 llama-server is built once (CPU, Release) from the llama.cpp sources inside the llama-cpp-python
 sdist on PyPI, into ~/.cache/xlaserve/llama.cpp (outside the repository). The HF baseline is
