@@ -67,7 +67,7 @@ def profile(program, params, cache, batch, repeats: int):
             events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     hlo = program.as_text()
-    kind = {m[1]: m[3] for m in re.finditer(r"%?([\w.-]+) = (\S+) [^\n]*custom_call_target="
+    kind = {m[1]: m[2] for m in re.finditer(r"%?([\w.-]+) = [^\n]*custom_call_target="
                                              r"\"(\w+)\"", hlo)}
     for m in re.finditer(r"%?([\w.-]+) = f32\[\d+,(\d+)\][^\n]*custom_call_target="
                          r"\"xlaserve_q8_matmul\"", hlo):

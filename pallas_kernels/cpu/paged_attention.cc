@@ -101,6 +101,18 @@ void Softmax(float* sr, const Chunk& c, int64_t jb, int64_t je, float& m, float&
     for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
 }
 
+// a[x] += p[x * kChunk + j] * v[d, d + 16) for R rows: one key's value into 16 columns.
+template <ffi::DataType dt, int R>
+inline void AddValue(const float* p, int64_t j, const char* v, int64_t d, __m256 (&a)[R][2]) {
+  constexpr size_t w = ffi::ByteWidth(dt);
+  const __m256 v0 = Load8<dt>(v + d * w), v1 = Load8<dt>(v + (d + 8) * w);
+  for (int x = 0; x < R; ++x) {
+    const __m256 px = _mm256_set1_ps(p[x * kChunk + j]);
+    a[x][0] = _mm256_fmadd_ps(px, v0, a[x][0]);
+    a[x][1] = _mm256_fmadd_ps(px, v1, a[x][1]);
+  }
+}
+
 // acc[x] += sum_j p[x * kChunk + j] * v[j] over keys [jb, je), for R rows; 16 columns at a
 // time held in registers, so each value vector loaded feeds R rows. Even and odd keys go to
 // separate sums: one FMA chain per sum would wait on the FMA's latency at every key.
@@ -118,27 +130,10 @@ void AccumulateV(const float* p, const Chunk& c, int64_t jb, int64_t je, int64_t
     int64_t j = jb;
     for (; j + 2 <= je; j += 2) {
       next.Step();
-      __m256 v0 = Load8<dt>(c.v[j] + d * w), v1 = Load8<dt>(c.v[j] + (d + 8) * w);
-      for (int x = 0; x < R; ++x) {
-        const __m256 px = _mm256_set1_ps(p[x * kChunk + j]);
-        a[x][0] = _mm256_fmadd_ps(px, v0, a[x][0]);
-        a[x][1] = _mm256_fmadd_ps(px, v1, a[x][1]);
-      }
-      v0 = Load8<dt>(c.v[j + 1] + d * w), v1 = Load8<dt>(c.v[j + 1] + (d + 8) * w);
-      for (int x = 0; x < R; ++x) {
-        const __m256 px = _mm256_set1_ps(p[x * kChunk + j + 1]);
-        b[x][0] = _mm256_fmadd_ps(px, v0, b[x][0]);
-        b[x][1] = _mm256_fmadd_ps(px, v1, b[x][1]);
-      }
+      AddValue<dt, R>(p, j, c.v[j], d, a);
+      AddValue<dt, R>(p, j + 1, c.v[j + 1], d, b);
     }
-    if (j < je) {
-      const __m256 v0 = Load8<dt>(c.v[j] + d * w), v1 = Load8<dt>(c.v[j] + (d + 8) * w);
-      for (int x = 0; x < R; ++x) {
-        const __m256 px = _mm256_set1_ps(p[x * kChunk + j]);
-        a[x][0] = _mm256_fmadd_ps(px, v0, a[x][0]);
-        a[x][1] = _mm256_fmadd_ps(px, v1, a[x][1]);
-      }
-    }
+    if (j < je) AddValue<dt, R>(p, j, c.v[j], d, a);
     for (int x = 0; x < R; ++x)
       for (int y = 0; y < 2; ++y)
         _mm256_storeu_ps(acc + x * D + d + 8 * y, _mm256_add_ps(a[x][y], b[x][y]));

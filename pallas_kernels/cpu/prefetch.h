@@ -18,11 +18,16 @@ struct Prefetcher {
   int64_t count = 0, bytes = 0, i = 0, b = 0;  // slots, bytes per slot; next slot and offset
 
   void Reset(int64_t n, int64_t slot_bytes) { count = n, bytes = slot_bytes, i = b = 0; }
+  // Prefetches the line at (slot, offset) and moves the pair past it; false when every line
+  // has been asked for.
+  bool Next(int64_t& slot, int64_t& offset) const {
+    if (slot >= count) return false;
+    _mm_prefetch(start[slot] + offset, _MM_HINT_T0);
+    if ((offset += 64) >= bytes) offset = 0, ++slot;
+    return true;
+  }
   void Step(int64_t lines) {
-    for (; lines > 0 && i < count; --lines) {
-      _mm_prefetch(start[i] + b, _MM_HINT_T0);
-      if ((b += 64) >= bytes) b = 0, ++i;
-    }
+    for (; lines > 0 && Next(i, b); --lines) {}
   }
   void Finish() { Step(std::numeric_limits<int64_t>::max()); }
 
@@ -34,11 +39,7 @@ struct Prefetcher {
     int64_t i, b;
     explicit Cursor(Prefetcher& p) : pf(p), i(p.i), b(p.b) {}
     ~Cursor() { pf.i = i, pf.b = b; }
-    void Step() {
-      if (i >= pf.count) return;
-      _mm_prefetch(pf.start[i] + b, _MM_HINT_T0);
-      if ((b += 64) >= pf.bytes) b = 0, ++i;
-    }
+    void Step() { pf.Next(i, b); }
   };
 };
 
