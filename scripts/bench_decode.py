@@ -70,7 +70,7 @@ def engine_config(args, model_dir: Path):
     one page bucket: a handful of programs to compile."""
     from model.config import ModelConfig
     from model.kv_cache import bytes_per_page
-    from serving.config import EngineConfig
+    from serving.core.config import EngineConfig
     page_size = 16
     max_seqs = max(args.batch_sizes)
     budget = max(max_seqs, 64)
@@ -93,7 +93,7 @@ def engine_config(args, model_dir: Path):
 
 
 def run_batch(engine, batch: int, args, rng) -> dict:
-    from serving.sampling_params import SamplingParams
+    from serving.core.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     vocab = engine.cfg.vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -131,7 +131,7 @@ def streamed_weight_bytes(engine) -> int:
 
 
 def build(args, model_dir: Path):
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
     engine = LLMEngine(engine_config(args, model_dir))
     return engine, sum(engine.warmup())
 

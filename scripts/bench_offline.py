@@ -17,9 +17,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.config import EngineConfig  # noqa: E402
-from serving.engine import LLMEngine  # noqa: E402
-from serving.sampling_params import SamplingParams  # noqa: E402
+from serving.core.config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.core.sampling_params import SamplingParams  # noqa: E402
 
 
 def ints(text: str | None) -> tuple[int, ...] | None:

@@ -36,7 +36,7 @@ from model.checkpoint import load_model  # noqa: E402
 from model.kv_cache import KVCache  # noqa: E402
 from model.runtime_params import prepare_params  # noqa: E402
 from model.transformer import forward  # noqa: E402
-from serving.sizing import resolve_model_dir  # noqa: E402
+from serving.engine.sizing import resolve_model_dir  # noqa: E402
 
 
 def step_batch(T: int, R: int, P: int, page_size: int, num_pages: int, context: int, rng):

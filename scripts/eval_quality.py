@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
     from model.checkpoint import load_model
     from quant.quality import evaluate
-    from serving.sizing import resolve_model_dir
+    from serving.engine.sizing import resolve_model_dir
     model_dir = resolve_model_dir(args.model)
     cfg, params = load_model(model_dir, args.dtype, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

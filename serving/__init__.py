@@ -3,13 +3,13 @@
 `LLM` and the engine pull in JAX; they are imported on first use so that the host-side
 modules (scheduler, pages, buckets, protocol) stay importable without it.
 """
-from serving.sampling_params import SamplingParams
+from serving.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name):
     if name == "LLM":
-        from serving.llm import LLM
+        from serving.engine.llm import LLM
         return LLM
     raise AttributeError(name)

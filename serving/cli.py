@@ -13,7 +13,7 @@ import time
 import traceback
 
 from model.config import KV_CACHE_DTYPES
-from serving.config import EngineConfig
+from serving.core.config import EngineConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         argv.insert(0, "serve")  # `python -m serving --model DIR` serves
     args = build_parser().parse_args(argv)
     _setup_logging()
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
     try:
         engine = LLMEngine(_engine_config(args))
     except (ValueError, OSError) as e:
@@ -115,8 +115,8 @@ def main(argv=None) -> int:
 
 
 async def _serve(engine, args, started: float) -> int:
-    from serving.api_server import run_server
-    from serving.async_engine import AsyncEngine
+    from serving.openai.api_server import run_server
+    from serving.engine.async_engine import AsyncEngine
     async_engine = AsyncEngine(engine)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
     server = asyncio.create_task(run_server(

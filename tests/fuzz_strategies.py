@@ -1,5 +1,5 @@
 """Hypothesis strategies for fuzzing the HTTP API: request bodies drawn from the server's own
-OpenAPI schemas (serving.openapi), hostile values, mutations of valid bodies, and raw
+OpenAPI schemas (serving.openai.openapi), hostile values, mutations of valid bodies, and raw
 requests (methods, paths, content types, byte-level bodies)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ CHEAP = {"max_tokens": st.integers(1, 2), "max_completion_tokens": st.integers(1
 
 
 def from_schema(schema: dict, overrides: dict | None = None) -> st.SearchStrategy:
-    """Values valid under the JSON Schema subset serving.openapi writes."""
+    """Values valid under the JSON Schema subset serving.openai.openapi writes."""
     overrides = CHEAP if overrides is None else overrides
     if "anyOf" in schema:
         return st.one_of([from_schema(s, overrides) for s in schema["anyOf"]])

@@ -190,10 +190,10 @@ async def _start_site(app: web.Application, port: int) -> web.AppRunner:
 def live_server(checkpoint):
     """One engine (ENGINE) behind run_server on a free port, in an event loop of its own
     thread; the same loop serves three more apps over the same engine (see Live)."""
-    from serving.api_server import build_app, run_server
-    from serving.async_engine import AsyncEngine
-    from serving.config import EngineConfig
-    from serving.engine import LLMEngine
+    from serving.openai.api_server import build_app, run_server
+    from serving.engine.async_engine import AsyncEngine
+    from serving.core.config import EngineConfig
+    from serving.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(checkpoint), progress=False, **ENGINE))
     async_engine = AsyncEngine(engine)

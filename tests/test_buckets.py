@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from serving.buckets import Buckets
+from serving.core.buckets import Buckets
 
 
 def test_default_derivation():

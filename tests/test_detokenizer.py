@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from serving.detokenizer import IncrementalDetokenizer
+from serving.engine.detokenizer import IncrementalDetokenizer
 
 WORDS = ("héllo wörld 你好 🙂 the quick brown fox jumps over lazy dog café naïve Zürich 日本語 "
          "テキスト 👍🏽 résumé 東京 😀 data model token stream , . ! ? 's don't").split()

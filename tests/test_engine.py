@@ -21,7 +21,7 @@ import transformers
 from model.checkpoint import convert_hf
 from model.kv_cache import bytes_per_page
 from serving import LLM, SamplingParams
-from serving.async_engine import AsyncEngine
+from serving.engine.async_engine import AsyncEngine
 from tests.demo_engine import demo_llm, greedy
 from tests.hf_tiny import tiny_hf_model
 

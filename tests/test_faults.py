@@ -1,4 +1,4 @@
-"""Engine faults, injected through serving.faults on the real engine (demo model).
+"""Engine faults, injected through serving.engine.faults on the real engine (demo model).
 
 One request's failure (its sampling inputs, its detokenization) fails that request alone:
 it gets an error, in its stream if it was streaming, and the requests batched with it
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from aiohttp import web
 
-from serving.faults import Faults
+from serving.engine.faults import Faults
 from tests.http_stream import Stream, text
 from tests.server_util import (ENGINE, MODEL, assert_error, free_port, get_json, metric,
                                metrics, post, wait_healthy, wait_until)
@@ -99,10 +99,10 @@ def doomed_server(checkpoint):
     """run_server over an engine of its own on `port`; next to it, on `probe_port`, an app
     over the same engine that outlives run_server, to ask /health after the engine died.
     Yields (engine, async_engine, port, probe_port, run_server's future)."""
-    from serving.api_server import build_app, run_server
-    from serving.async_engine import AsyncEngine
-    from serving.config import EngineConfig
-    from serving.engine import LLMEngine
+    from serving.openai.api_server import build_app, run_server
+    from serving.engine.async_engine import AsyncEngine
+    from serving.core.config import EngineConfig
+    from serving.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(checkpoint), progress=False, **ENGINE))
     async_engine = AsyncEngine(engine)

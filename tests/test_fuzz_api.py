@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from serving.openapi import openapi_spec, request_schemas
+from serving.openai.openapi import openapi_spec, request_schemas
 from tests import fuzz_strategies as fs
 from tests.server_util import MODEL, assert_error, get_json, post, request, sse_events
 

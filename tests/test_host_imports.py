@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST_MODULES = ["serving.request", "serving.page_allocator", "serving.scheduler",
-                "serving.buckets", "serving.sampling_params"]
+HOST_MODULES = ["serving.core.request", "serving.core.page_allocator", "serving.core.scheduler",
+                "serving.core.buckets", "serving.core.sampling_params"]
 
 CHECK = f"""
 import importlib, sys

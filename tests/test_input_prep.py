@@ -4,11 +4,11 @@ import random
 import numpy as np
 import pytest
 
-from serving.buckets import Buckets
-from serving.input_prep import SINK_SLOT, all_step_shapes, padding_step, prepare, step_shape
-from serving.request import Request
-from serving.sampling_params import SamplingParams
-from serving.scheduler import ScheduledRequest, SchedulerOutput
+from serving.core.buckets import Buckets
+from serving.engine.input_prep import SINK_SLOT, all_step_shapes, padding_step, prepare, step_shape
+from serving.core.request import Request
+from serving.core.sampling_params import SamplingParams
+from serving.core.scheduler import ScheduledRequest, SchedulerOutput
 
 PAGE = 4
 MAX_SEQS = 8

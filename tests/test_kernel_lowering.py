@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.ragged_paged_attention_kernel import block_sizes_for, ragged_paged_attention
-from serving.buckets import Buckets
-from serving.input_prep import all_step_shapes
+from serving.core.buckets import Buckets
+from serving.engine.input_prep import all_step_shapes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 DEVICE = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)

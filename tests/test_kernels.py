@@ -289,9 +289,9 @@ ENGINE_OPTIONS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=1
 
 
 def greedy_tokens(model_dir, backend, prompts, max_tokens=8, **options):
-    from serving.config import EngineConfig
-    from serving.engine import LLMEngine
-    from serving.sampling_params import SamplingParams
+    from serving.core.config import EngineConfig
+    from serving.engine.llm_engine import LLMEngine
+    from serving.core.sampling_params import SamplingParams
     engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend=backend,
                                     **{**ENGINE_OPTIONS, **options}))
     assert engine.attention_backend == backend

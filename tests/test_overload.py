@@ -98,8 +98,8 @@ def test_a_burst_sees_each_admitted_request_at_once(shared_server):
     """Admission counts a request as waiting from the moment it is submitted. Over an
     engine whose loop never runs, whatever is admitted waits forever: of a burst, exactly
     MAX_QUEUED are admitted and the rest refused, however fast they arrive."""
-    from serving.api_server import build_app
-    from serving.async_engine import AsyncEngine
+    from serving.openai.api_server import build_app
+    from serving.engine.async_engine import AsyncEngine
 
     stalled = AsyncEngine(shared_server.engine)  # never started
     stalled.ready = True

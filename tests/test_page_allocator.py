@@ -1,7 +1,7 @@
 """PageAllocator: allocation, reference counts, the sink page, and misuse that must raise."""
 import pytest
 
-from serving.page_allocator import SINK_PAGE, OutOfPagesError, PageAllocator
+from serving.core.page_allocator import SINK_PAGE, OutOfPagesError, PageAllocator
 
 
 def test_counts_and_usage():

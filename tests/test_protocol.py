@@ -17,12 +17,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from serving import protocol as p
-from serving import responses
-from serving.api_server import build_app, run_server
-from serving.detokenizer import IncrementalDetokenizer
-from serving.outputs import RequestOutput, TokenLogprob
-from serving.sampling_params import SamplingParams
+from serving.openai import protocol as p
+from serving.openai import responses
+from serving.openai.api_server import build_app, run_server
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.core.outputs import RequestOutput, TokenLogprob
+from serving.core.sampling_params import SamplingParams
 
 MODEL = "tiny-test"
 
@@ -194,8 +194,8 @@ def test_response_shapes():
 
 
 def test_host_modules_import_no_jax_or_aiohttp():
-    code = ("import sys, serving.protocol, serving.responses, serving.detokenizer, "
-            "serving.metrics; "
+    code = ("import sys, serving.openai.protocol, serving.openai.responses, serving.engine.detokenizer, "
+            "serving.openai.metrics; "
             "bad = [m for m in ('jax', 'aiohttp') if m in sys.modules]; "
             "assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -714,7 +714,7 @@ async def _wait_healthy(session, url):
 
 
 def test_token_texts(tokenizer):
-    from serving.sse import TokenTexts
+    from serving.openai.sse import TokenTexts
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode("héllo 你好 🙂", add_special_tokens=False)
     raw = b"".join(bytes(texts.get(i)[1]) for i in ids)

@@ -272,8 +272,8 @@ def test_kv_bytes_per_page_counts_scales():
 
 
 def test_dummy_weights_quantize_for_benchmarks(tmp_path):
-    from serving.config import EngineConfig
-    from serving.engine import _load_weights
+    from serving.core.config import EngineConfig
+    from serving.engine.llm_engine import _load_weights
     cfg = tiny_cfg(False)
     hf = {"architectures": [cfg.architecture], "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,

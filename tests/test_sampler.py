@@ -1,11 +1,11 @@
-"""serving.sampler.sample on hand-made logits: each knob against its definition or a numpy
+"""serving.engine.sampler.sample on hand-made logits: each knob against its definition or a numpy
 reference. One jitted `sample` per shape; rows carry the per-request settings."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.sampler import (NUM_TOP_LOGPROBS, SamplingInputs, apply_bias, apply_filters,
+from serving.engine.sampler import (NUM_TOP_LOGPROBS, SamplingInputs, apply_bias, apply_filters,
                              apply_penalties, sample)
 
 V = 32

@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from serving.request import Request, RequestStatus
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cdiv
+from serving.core.request import Request, RequestStatus
+from serving.core.sampling_params import SamplingParams
+from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cdiv
 
 EOS = 2
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from serving.cli import build_parser
-from serving.openapi import openapi_spec
-from serving.server_state import longest_token
+from serving.openai.openapi import openapi_spec
+from serving.openai.server_state import longest_token
 from tests.http_stream import Stream
 from tests.server_util import (API_KEY, CLI_FLAGS, MODEL, assert_error, free_port, post,
                                request, wait_healthy)
@@ -69,7 +69,7 @@ def test_every_route_but_health_needs_the_key(shared_server):
 
 
 def test_the_key_is_compared_in_constant_time(shared_server, monkeypatch):
-    from serving import http_guard
+    from serving.openai import http_guard
     compared = []
     real = http_guard.hmac.compare_digest
 

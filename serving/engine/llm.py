@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serving.config import EngineConfig
-from serving.engine import LLMEngine
-from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.core.config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.core.outputs import RequestOutput
+from serving.core.sampling_params import SamplingParams
 
 
 @dataclass

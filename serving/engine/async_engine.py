@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.core.outputs import RequestOutput
+from serving.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server's modules stay free of JAX
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("xlaserve")
 

@@ -1,4 +1,4 @@
-"""OpenAI request parsing and validation (responses: serving/responses.py). Pure Python:
+"""OpenAI request parsing and validation (responses: serving/openai/responses.py). Pure Python:
 no aiohttp, no JAX.
 
 Validation is strict about types (a bool is not an int, NaN and infinities are rejected, a
@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from serving.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 256  # prompts x n per request: bounds what one request can queue

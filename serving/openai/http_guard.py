@@ -10,8 +10,8 @@ import logging
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from serving import protocol as p
-from serving.server_state import STATE, ServerState
+from serving.openai import protocol as p
+from serving.openai.server_state import STATE, ServerState
 
 log = logging.getLogger(__name__)
 

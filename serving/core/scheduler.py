@@ -6,8 +6,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from serving.page_allocator import PageAllocator
-from serving.request import Request, RequestStatus
+from serving.core.page_allocator import PageAllocator
+from serving.core.request import Request, RequestStatus
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,8 +18,8 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
 from model.transformer import forward
-from serving.input_prep import StepArrays
-from serving.sampler import SampleOutput, SamplingInputs, sample
+from serving.engine.input_prep import StepArrays
+from serving.engine.sampler import SampleOutput, SamplingInputs, sample
 
 log = logging.getLogger("xlaserve")
 

@@ -1,7 +1,7 @@
 """SchedulerOutput -> numpy arrays padded to a bucket: everything a step sends to the device.
 
 Host side: numpy only, no JAX. Field names match model.batch.Batch and
-serving.sampler.SamplingInputs, which the runner builds from these dicts.
+serving.engine.sampler.SamplingInputs, which the runner builds from these dicts.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.buckets import Buckets
-from serving.sampling_params import MAX_LOGIT_BIAS
-from serving.scheduler import SchedulerOutput
+from serving.core.buckets import Buckets
+from serving.core.sampling_params import MAX_LOGIT_BIAS
+from serving.core.scheduler import SchedulerOutput
 
 SINK_SLOT = 0  # padding tokens write to slot 0 of the reserved sink page 0
 

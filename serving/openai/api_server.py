@@ -1,7 +1,7 @@
 """The aiohttp OpenAI-compatible server: routes, admission, graceful shutdown.
 
 Handlers validate and tokenize, split a request into one engine request per choice, and
-hand off to `serving.sse` to stream or collect the outputs. `serving.http_guard` wraps every
+hand off to `serving.openai.sse` to stream or collect the outputs. `serving.openai.http_guard` wraps every
 handler (error envelope, API key, drain gate, hostile bodies), so every error leaves in
 OpenAI's envelope; nothing a client sends reaches the engine unvalidated or crashes the
 server. If the engine dies, run_server drains and returns 1.
@@ -15,14 +15,14 @@ import time
 
 from aiohttp import web
 
-from serving import protocol as p
-from serving import responses
-from serving import sse
-from serving.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
+from serving.openai import protocol as p
+from serving.openai import responses
+from serving.openai import sse
+from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
                                 read_json)
-from serving.metrics import Metrics
-from serving.openapi import openapi_spec
-from serving.server_state import (STATE, ServerState, check_admission, check_prompt_size,
+from serving.openai.metrics import Metrics
+from serving.openai.openapi import openapi_spec
+from serving.openai.server_state import (STATE, ServerState, check_admission, check_prompt_size,
                                   check_queue)
 
 

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 from model.config import ModelConfig
-from serving.buckets import Buckets
-from serving.config import EngineConfig, default_cache_root
+from serving.core.buckets import Buckets
+from serving.core.config import EngineConfig, default_cache_root
 
 log = logging.getLogger("xlaserve")
 CPU_KV_CACHE_CAP = 4 << 30

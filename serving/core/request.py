@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from serving.sampling_params import SamplingParams
+from serving.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 description the server serves at /openapi.json: its routes, what each
-request body may hold (the rules `serving.protocol` enforces) and the error envelope.
+request body may hold (the rules `serving.openai.protocol` enforces) and the error envelope.
 
 Like every route but /health, /openapi.json needs the API key when the server has one.
 Unknown fields are ignored, as OpenAI and vLLM do, so objects allow additional properties.
@@ -9,8 +9,8 @@ length) are in the descriptions.
 """
 from __future__ import annotations
 
-from serving.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
-from serving.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
+from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 NON_EMPTY_STRING = {"type": "string", "minLength": 1}
 

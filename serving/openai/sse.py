@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from serving import protocol as p
-from serving import responses
-from serving.async_engine import EngineDeadError
-from serving.outputs import RequestOutput, TokenLogprob
-from serving.sampling_params import SamplingParams
+from serving.openai import protocol as p
+from serving.openai import responses
+from serving.engine.async_engine import EngineDeadError
+from serving.core.outputs import RequestOutput, TokenLogprob
+from serving.core.sampling_params import SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -21,16 +21,16 @@ from model.config import KV_CACHE_DTYPES, ModelConfig
 from model.transformer import init_params
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization, quantize_params
-from serving import sizing
-from serving.config import EngineConfig
-from serving.detokenizer import IncrementalDetokenizer
-from serving.faults import Faults
-from serving.input_prep import all_step_shapes, padding_step, prepare
-from serving.outputs import RequestOutput, TokenLogprob
-from serving.request import Request, RequestStatus
-from serving.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.engine import sizing
+from serving.core.config import EngineConfig
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.faults import Faults
+from serving.engine.input_prep import all_step_shapes, padding_step, prepare
+from serving.core.outputs import RequestOutput, TokenLogprob
+from serving.core.request import Request, RequestStatus
+from serving.engine.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
+from serving.core.sampling_params import SamplingParams
+from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger("xlaserve")
 

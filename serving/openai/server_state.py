@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from serving import protocol as p
-from serving import responses
-from serving import sse
-from serving.metrics import Metrics
+from serving.openai import protocol as p
+from serving.openai import responses
+from serving.openai import sse
+from serving.openai.metrics import Metrics
 
 
 @dataclass
