@@ -238,11 +238,13 @@ class FakeEngine:
 
     def __init__(self, tokenizer, max_model_len=64):
         self.tokenizer, self.max_model_len, self.ready = tokenizer, max_model_len, True
+        self.vocab_size = len(tokenizer)
         self.requests, self.aborted, self.finished = [], [], []
         self.stats_ = Stats()
         self.block_after = None  # stop producing after this many tokens, until aborted
         self.fail_after = None  # yield an engine error after this many tokens
         self.aborted_event = asyncio.Event()
+        self.hold = None  # (entered, gate) events: a request waits for the gate before its output
 
     def stats(self):
         return self.stats_
@@ -250,47 +252,71 @@ class FakeEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
-    async def generate(self, prompt_token_ids, params, request_id):
+    def generate(self, prompt_token_ids, params, request_id, queue):
+        """Like AsyncEngine.generate: (request_id, output or exception) items into queue."""
+        stream = FakeStream(self, request_id)
+        stream.task = asyncio.create_task(self._produce(prompt_token_ids, params, request_id,
+                                                        queue, stream))
+        return stream
+
+    async def _produce(self, prompt_token_ids, params, request_id, queue, stream):
         if params.max_tokens > 1000:
-            raise ValueError("the scheduler refuses this request")
+            queue.put_nowait((request_id, ValueError("the scheduler refuses this request")))
+            return
         self.requests.append((request_id, list(prompt_token_ids), params))
+        if self.hold is not None:
+            self.hold[0].set()
+            await self.hold[1].wait()
         out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output)
-        done, ids, logprobs = False, [], []
-        try:
-            for k, tid in enumerate(out_ids):
-                if k == self.block_after:
-                    await asyncio.Event().wait()
-                await asyncio.sleep(0)
-                if k == self.fail_after:
-                    done = True
-                    yield RequestOutput(request_id, prompt_token_ids, ids, finished=True,
-                                        finish_reason="error", error="device on fire")
-                    return
-                ids.append(tid)
-                new_text, stop = detok.add([tid])
-                last = stop is not None or k == len(out_ids) - 1
-                if last and stop is None:
-                    new_text += detok.flush()
-                new_lp = None
-                if params.logprobs is not None:
-                    top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
-                    new_lp = [TokenLogprob(tid, -0.5, top)]
-                    logprobs += new_lp
-                done = last
-                yield RequestOutput(request_id, prompt_token_ids, list(ids), detok.text,
-                                    [tid], new_text, logprobs if new_lp else None, new_lp,
-                                    finished=last, finish_reason=("stop" if stop else "length")
-                                    if last else None, stop_reason=stop)
-                if last:
-                    return
-        finally:
-            if done:
+        for k, tid in enumerate(out_ids):
+            if k == self.block_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(0)
+            if k == self.fail_after:
+                stream.ended = True
+                queue.put_nowait((request_id, RequestOutput(
+                    request_id, prompt_token_ids, finished=True, finish_reason="error",
+                    error="device on fire")))
+                return
+            new_text, stop = detok.add([tid])
+            last = stop is not None or k == len(out_ids) - 1
+            if last and stop is None:
+                new_text += detok.flush()
+            new_lp = None
+            if params.logprobs is not None:
+                top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
+                new_lp = [TokenLogprob(tid, -0.5, top)]
+            if last:
+                stream.ended = True
                 self.finished.append(request_id)
-            else:
-                self.abort(request_id)
-                self.aborted_event.set()
+            queue.put_nowait((request_id, RequestOutput(
+                request_id, prompt_token_ids, [tid], new_text, new_lp, finished=last,
+                finish_reason=("stop" if stop else "length") if last else None,
+                stop_reason=stop)))
+            if last:
+                return
+
+
+class FakeStream:
+    """What FakeEngine.generate returns: closing it before its end aborts the request."""
+
+    def __init__(self, engine, request_id):
+        self.engine, self.request_id, self.task, self.ended = engine, request_id, None, False
+        self.closed = False
+
+    def take(self, item):
+        pass
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.task.cancel()
+        if not self.ended:
+            self.engine.abort(self.request_id)
+            self.engine.aborted_event.set()
 
 
 @pytest.fixture
@@ -668,14 +694,7 @@ def test_sigterm_lets_in_flight_requests_finish(engine, tokenizer):
     async def go():
         port = _free_port()
         entered, gate = asyncio.Event(), asyncio.Event()
-        real_generate = engine.generate
-
-        async def held_generate(ids, params, rid):
-            entered.set()
-            await gate.wait()  # hold the request until SIGTERM has been delivered
-            async for out in real_generate(ids, params, rid):
-                yield out
-        engine.generate = held_generate
+        engine.hold = (entered, gate)  # hold the request until SIGTERM has been delivered
         server = asyncio.create_task(run_server(engine, "127.0.0.1", port,
                                                 served_model_name=MODEL, grace_period_s=10))
         url = f"http://127.0.0.1:{port}"

@@ -265,8 +265,8 @@ def test_update_rejects_a_mismatched_token_list():
 
 @pytest.mark.parametrize("num_prompt_tokens, cfg, message", [
     (0, {}, "prompt is empty"),
-    (32, dict(max_model_len=32), "max_model_len is 32"),
-    (40, dict(max_model_len=32), "room for at least one output token"),
+    (32, dict(max_model_len=32), "maximum context length is 32 tokens"),
+    (40, dict(max_model_len=32), "leaves no room for a completion"),
     (12, dict(page_size=4, num_pages=4), "needs 4 KV cache pages"),
 ])
 def test_never_fitting_prompts_are_refused(num_prompt_tokens, cfg, message):

@@ -60,10 +60,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
                               code="model_not_found")
 
 
-def _vocab_size(tokenizer) -> int:
-    return len(tokenizer)
-
-
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -133,18 +129,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             check_prompt_size(state, len(prompt), "prompt")
     choices: list[sse.Choice] = []
     for i, prompt in enumerate(req.prompts):
-        if isinstance(prompt, str):
-            ids = _encode(tokenizer, prompt, add_special_tokens=True)
-        else:
-            ids = prompt
-            p.check_token_ids(ids, _vocab_size(tokenizer), "prompt")
-        if not ids:
-            raise p.ProtocolError("the prompt is empty", param="prompt")
+        ids = _encode(tokenizer, prompt, add_special_tokens=True) if isinstance(prompt, str) \
+            else prompt
+        p.check_request_token_ids(ids, req.params, engine.vocab_size)
         max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
         params = dataclasses.replace(req.params, max_tokens=max_tokens)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
         choices += _choices(ids, i, params, i * req.params.n, echo)
-    _check_sampling_ids(req.params, _vocab_size(tokenizer))
     texts = state.token_texts() if req.params.logprobs is not None else None
     fmt = sse.CompletionFormat(responses.new_id("cmpl"), state.model, texts, req.include_usage)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
@@ -161,16 +152,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
-    _check_sampling_ids(params, _vocab_size(tokenizer))
+    p.check_request_token_ids(ids, params, engine.vocab_size)
     texts = state.token_texts() if req.logprobs else None
     fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage)
     return await _respond(request, state, _choices(ids, 0, params, 0), fmt, req.stream,
                           arrival)
-
-
-def _check_sampling_ids(params, vocab_size: int) -> None:
-    p.check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
-    p.check_token_ids(list(params.logit_bias), vocab_size, "logit_bias")
 
 
 def _model_card(state: ServerState) -> dict:
@@ -197,7 +183,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_spec(state.model, _vocab_size(state.engine.tokenizer),
+    return web.json_response(openapi_spec(state.model, state.engine.vocab_size,
                                           state.engine.max_model_len))
 
 
@@ -240,7 +226,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if not (isinstance(tokens, list) and all(p.is_int(t) and t >= 0 for t in tokens)):
         raise p.ProtocolError("'tokens' must be a list of token ids", param="tokens")
-    p.check_token_ids(tokens, _vocab_size(tokenizer), "tokens")
+    p.check_token_ids(tokens, state.engine.vocab_size, "tokens")
     return web.json_response({"prompt": tokenizer.decode(tokens)})
 
 

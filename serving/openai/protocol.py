@@ -12,6 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from serving.core import request_checks
+from serving.core.request_checks import RequestRefused, fit_max_tokens
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -306,27 +308,30 @@ def parse_chat_request(body: dict) -> ChatRequest:
                        top_logprobs or 0, opt_bool(body, "add_generation_prompt", True), param)
 
 
+def refused(e: RequestRefused) -> ProtocolError:
+    """A core rule's refusal as an OpenAI 400."""
+    return ProtocolError(str(e), param=e.param, code=e.code)
+
+
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
                   prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
     """Returns the effective max_tokens (what is left of the context when None)."""
-    if num_prompt_tokens >= max_model_len:
-        raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, which leaves no room for a completion.",
-            param=prompt_param, code="context_length_exceeded")
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
-            f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
-    return max_tokens
+    try:
+        return fit_max_tokens(num_prompt_tokens, max_tokens, max_model_len,
+                              prompt_param=prompt_param, max_tokens_param=max_tokens_param)
+    except RequestRefused as e:
+        raise refused(e) from None
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ProtocolError(f"token id {bad} in '{param}' is outside the vocabulary "
-                            f"(size {vocab_size})", param=param)
+    try:
+        request_checks.check_token_ids(ids, vocab_size, param)
+    except RequestRefused as e:
+        raise refused(e) from None
+
+
+def check_request_token_ids(ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    try:
+        request_checks.check_request_token_ids(ids, params, vocab_size)
+    except RequestRefused as e:
+        raise refused(e) from None

@@ -20,13 +20,13 @@ from aiohttp import web
 from serving.openai import protocol as p
 from serving.openai import responses
 from serving.engine.async_engine import EngineDeadError
-from serving.core.outputs import RequestOutput, TokenLogprob
+from serving.core.request_checks import RequestRefused
+from serving.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from serving.core.sampling_params import SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # tell reverse proxies not to buffer the stream
-_END = object()
 
 
 def sse_event(obj: dict) -> bytes:
@@ -50,71 +50,55 @@ class OutputStream:
     """Runs the choices' engine requests concurrently and hands out (choice, output) pairs
     in arrival order; `get()` returns None once every request has finished.
 
-    Every request is submitted when the stream is built, before the caller awaits anything,
-    so the engine's queue length (admission control) counts it at once."""
+    All of them deliver into one queue, filled from the engine thread: the one hop between
+    the engine and this response (docs/architecture.md, "A request's path"). Every request is
+    submitted when the stream is built, before the caller awaits anything, so the engine's
+    queue length (admission control) counts it at once."""
 
     def __init__(self, engine, metrics, choices: list[Choice], arrival: float):
-        self._metrics, self._arrival = metrics, arrival
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._open = len(choices)
-        self._gens = []
+        self._choices = {c.request_id: c for c in choices}
+        self._trackers = {c.request_id: metrics.track(len(c.prompt_ids), arrival)
+                          for c in choices}
+        self._queue_times: dict[str, float | None] = {}
+        self._streams = {}
         try:
             for c in choices:
-                self._gens.append(engine.generate(c.prompt_ids, c.params, c.request_id))
+                self._streams[c.request_id] = engine.generate(c.prompt_ids, c.params,
+                                                              c.request_id, queue=self._queue)
         except BaseException:
-            for gen in self._gens:  # withdraw the ones already submitted
-                _close_now(gen)
+            for stream in self._streams.values():  # withdraw the ones already submitted
+                stream.close()
             raise
-        self._tasks = [asyncio.create_task(self._pump(c, gen))
-                       for c, gen in zip(choices, self._gens)]
-
-    async def _pump(self, choice: Choice, gen) -> None:
-        tracker = self._metrics.track(len(choice.prompt_ids), self._arrival)
-        queue_time = None  # the engine reports it on the request's first update only
-        try:
-            async for out in gen:
-                if queue_time is None:
-                    queue_time = getattr(out, "queue_time", None)
-                tracker.on_output(len(out.new_token_ids))
-                if out.finished:
-                    tracker.on_finish(out.finish_reason, queue_time)
-                self._queue.put_nowait((choice, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which decides
-            if tracker.last is None:
-                tracker.done = True  # refused before it ran: not a finished request
-            self._queue.put_nowait((choice, e))
-        finally:
-            tracker.on_finish("abort")  # no-op when it finished
-            try:
-                await gen.aclose()  # aborts the engine request if it is still running
-            finally:
-                self._queue.put_nowait((choice, _END))
+        self._open = set(self._streams)
 
     async def get(self) -> tuple[Choice, RequestOutput] | None:
         while self._open:
-            choice, item = await self._queue.get()
-            if item is _END:
-                self._open -= 1
-            elif isinstance(item, Exception):
+            request_id, item = await self._queue.get()
+            if request_id not in self._open:
+                continue  # after its end (e.g. an abort racing the last step)
+            self._streams[request_id].take(item)
+            tracker = self._trackers[request_id]
+            if isinstance(item, Exception):
+                self._open.discard(request_id)
+                if tracker.last is None:
+                    tracker.done = True  # refused before it ran: not a finished request
                 raise item
-            else:
-                return choice, item
+            if request_id not in self._queue_times:  # the engine sends it on the first update
+                self._queue_times[request_id] = item.queue_time
+            tracker.on_output(len(item.new_token_ids))
+            if item.finished:
+                self._open.discard(request_id)
+                tracker.on_finish(item.finish_reason, self._queue_times[request_id])
+            return self._choices[request_id], item
         return None
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for gen in self._gens:  # a task cancelled before it started never closed its own
-            _close_now(gen)
-
-
-def _close_now(gen) -> None:
-    """Closes an engine stream without awaiting: AsyncEngine's streams close synchronously;
-    a plain async generator that never started has nothing to clean up."""
-    close = getattr(gen, "close", None)
-    if close is not None:
-        close()
+        """Aborts every request still running (client gone, error, cancelled handler)."""
+        for request_id in self._open:
+            self._streams[request_id].close()
+            self._trackers[request_id].on_finish("abort")
+        self._open.clear()
 
 
 def engine_failure(out: RequestOutput) -> p.ProtocolError | None:
@@ -127,6 +111,8 @@ def engine_exception(exc: Exception) -> p.ProtocolError:
     """An exception from engine.generate: ValueError means the scheduler refused it."""
     if isinstance(exc, p.ProtocolError):
         return exc
+    if isinstance(exc, RequestRefused):
+        return p.refused(exc)
     if isinstance(exc, ValueError):
         return p.ProtocolError(str(exc))
     if isinstance(exc, EngineDeadError):
@@ -197,8 +183,8 @@ class CompletionFormat(_Format):
             out.finish_reason if out.finished else None, logprobs,
             out.stop_reason if out.finished else None, include_usage=self.include_usage)
 
-    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
-        entries = self.entries(logprobs)
+    def choice(self, choice: Choice, out: CompletionOutput) -> dict:
+        entries = self.entries(out.logprobs)
         lp = None if entries is None else responses.completion_logprobs(entries, len(choice.prompt_text))
         return responses.completion_choice(choice.index, choice.prompt_text + out.text,
                                    out.finish_reason, lp, out.stop_reason)
@@ -225,8 +211,8 @@ class ChatFormat(_Format):
                             out.finish_reason if out.finished else None, logprobs,
                             out.stop_reason, include_usage=self.include_usage)
 
-    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
-        entries = self.entries(logprobs)
+    def choice(self, choice: Choice, out: CompletionOutput) -> dict:
+        entries = self.entries(out.logprobs)
         lp = None if entries is None else responses.chat_logprobs(entries)
         return responses.chat_choice(choice.index, out.text, out.finish_reason, lp, out.stop_reason)
 
@@ -234,34 +220,31 @@ class ChatFormat(_Format):
         return responses.chat_response(self.request_id, self.model, self.created, choices, usage)
 
 
-def count_usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
+def count_usage(choices: list[Choice], num_tokens: dict[int, int]) -> dict:
     """Prompt tokens once per prompt (not once per choice), as OpenAI counts."""
     prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
-    completion = sum(len(out.token_ids) for out in finals.values())
-    return responses.usage(sum(prompts.values()), completion)
+    return responses.usage(sum(prompts.values()), sum(num_tokens.values()))
 
 
 # -- writing -------------------------------------------------------------------------------
 
-def _check_all_finished(choices: list[Choice], finals: dict[int, RequestOutput]) -> None:
-    if len(finals) != len(choices):
+def _check_all_finished(choices: list[Choice], finished: set[int]) -> None:
+    if len(finished) != len(choices):
         raise p.ProtocolError("the engine ended a request without a final output", status=500)
 
 
 async def collect(stream: OutputStream, fmt: _Format, choices: list[Choice]) -> dict:
     """Non-streaming: wait for every choice, then one JSON body with usage."""
-    finals: dict[int, RequestOutput] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in choices}
+    results = {c.index: CompletionOutput(logprobs=[]) for c in choices}
     while (item := await stream.get()) is not None:
         choice, out = item
-        logprobs[choice.index].extend(out.new_logprobs or [])
         if (failure := engine_failure(out)) is not None:
             raise failure
-        if out.finished:
-            finals[choice.index] = out
-    _check_all_finished(choices, finals)
-    body = [fmt.choice(c, finals[c.index], logprobs[c.index]) for c in choices]
-    return fmt.response(body, count_usage(choices, finals))
+        results[choice.index].add(out)
+    _check_all_finished(choices, {i for i, r in results.items() if r.finished})
+    body = [fmt.choice(c, results[c.index]) for c in choices]
+    return fmt.response(body, count_usage(choices, {i: len(r.token_ids)
+                                                    for i, r in results.items()}))
 
 
 async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
@@ -273,7 +256,8 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
         raise failure
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    finals: dict[int, RequestOutput] = {}
+    num_tokens = {c.index: 0 for c in choices}
+    finished: set[int] = set()
     try:
         for choice in choices:
             for chunk in fmt.opening(choice):
@@ -285,12 +269,13 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
                 raise failure
             if (chunk := fmt.chunk(choice, out)) is not None:
                 await response.write(sse_event(chunk))
+            num_tokens[choice.index] += len(out.new_token_ids)
             if out.finished:
-                finals[choice.index] = out
+                finished.add(choice.index)
             item = await stream.get()
-        _check_all_finished(choices, finals)
+        _check_all_finished(choices, finished)
         if fmt.include_usage:
-            await response.write(sse_event(fmt.usage_chunk(count_usage(choices, finals))))
+            await response.write(sse_event(fmt.usage_chunk(count_usage(choices, num_tokens))))
     except (asyncio.CancelledError, ConnectionResetError):
         raise  # the client is gone: nothing more to write; the caller closes the stream
     except Exception as exc:  # noqa: BLE001 - the status is already 200: report in-band
