@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from serving.core.structured_outputs import StructuredOutputsParams
+
 # OpenAI allows at most this many logit_bias entries and at most 20 top logprobs.
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
@@ -27,6 +29,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
         if isinstance(self.stop, str):
