@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import jax
 
+from model.config import ATTENTION_BACKENDS
 from pallas_kernels import cpu_ffi
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
 from pallas_kernels.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention
 
-BACKENDS = ("reference", "blocked", "cpu", "pallas")
+BACKENDS = ATTENTION_BACKENDS
 
 # None: interpret the Pallas kernels unless the default backend is a GPU. Tests that
 # cross-lower for CUDA on a CPU host set it to False.

@@ -21,7 +21,7 @@ from model.config import KV_CACHE_DTYPES, ModelConfig
 from model.transformer import init_params
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization, quantize_params
-from serving.engine import sizing
+from serving.engine import memory_plan, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
@@ -54,8 +54,8 @@ class _Pending:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
-        if ec.compilation_cache_dir:
-            enable_compilation_cache(ec.compilation_cache_dir)
+        memory_plan.configure_xla_allocator_if_unstarted(ec.gpu_memory_utilization)
+        enable_compilation_cache(ec.compilation_cache_dir)
         self.attention_backend = resolve_backend(ec.attention_backend)
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
@@ -63,34 +63,52 @@ class LLMEngine:
         if ec.quantize:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
         self.model_dir = sizing.resolve_model_dir(ec.model)
-        self.cfg, params = _load_weights(self.model_dir, ec)
+        on_gpu = jax.default_backend() == "gpu"
+        dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
+        self.cfg, params = _load_weights(self.model_dir, ec, dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
         self.vocab_size = min(self.cfg.vocab_size, len(self.tokenizer)) if self.tokenizer \
             else self.cfg.vocab_size
-        self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
-        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
-        on_gpu = jax.default_backend() == "gpu"
         page_bytes = bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
-        self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, self.weight_bytes,
-                                          device_memory_bytes(), on_gpu)
+        # The stored tree is consumed here: the device holds the weights once before the
+        # KV cache is sized and allocated.
+        self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
+                                  attention_backend=self.attention_backend,
+                                  kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True)
+        del params
+        self.memory_plan = None
+        limit = device_memory_bytes() if on_gpu else None
+        if limit:
+            self.memory_plan = sizing.gpu_plan(ec, self.cfg, page_bytes, self.weight_bytes,
+                                               limit, self._activation_peak)
+            log.info("%s", self.memory_plan.describe())
+            self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
+                                                  self.memory_plan.num_pages)
+        else:
+            self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
+            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len)
+        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
         self.kv_cache_bytes = self.num_pages * page_bytes
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages))
-        self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
-                                  page_size=ec.page_size,
-                                  attention_backend=self.attention_backend,
-                                  kv_cache_dtype=ec.kv_cache_dtype)
+        self.runner.allocate_kv_cache(self.num_pages)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self._states: dict[str, _State] = {}
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
+
+    def _activation_peak(self, max_len: int) -> int:
+        """Temporaries of the largest step program at this context length."""
+        b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens)
+        largest = max(all_step_shapes(b, self.config.max_num_seqs))
+        return self.runner.activation_peak_bytes(padding_step(largest, self.config.page_size))
 
     def warmup(self) -> list[float]:
         """Compiles every step shape; returns the seconds each took."""
@@ -231,14 +249,14 @@ class LLMEngine:
                              queue_time=queue_time)
 
 
-def _load_weights(model_dir: Path, ec: EngineConfig):
+def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None):
     if ec.load_format == "dummy":
-        cfg = ModelConfig.from_dir(model_dir, ec.dtype)
+        cfg = ModelConfig.from_dir(model_dir, dtype)
         params = init_params(cfg, ec.seed)
         return cfg, quantize_params(params, ec.quantize) if ec.quantize else params
     if ec.load_format != "auto":
         raise ValueError(f"unknown load_format {ec.load_format!r}; choose auto or dummy")
-    return load_model(model_dir, ec.dtype, progress=ec.progress, quantize=ec.quantize)
+    return load_model(model_dir, dtype, progress=ec.progress, quantize=ec.quantize)
 
 
 def load_tokenizer(model_dir: Path):

@@ -69,15 +69,42 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-                 attention_backend: str = "reference", kv_cache_dtype: str | None = None):
+    """num_pages None: the KV cache is allocated later (`allocate_kv_cache`), once the memory
+    plan knows what the prepared weights and the largest step leave for it.
+    free_stacked: the stored weight tree is consumed (model/runtime_params.py)."""
+
+    def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
+                 attention_backend: str = "reference", kv_cache_dtype: str | None = None,
+                 free_stacked: bool = False):
         self.cfg = cfg
-        self.params = prepare_params(params)
-        self.cache = KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype)
+        self.page_size = page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.params = prepare_params(params, free_stacked=free_stacked)
+        self.cache = None
+        if num_pages is not None:
+            self.allocate_kv_cache(num_pages)
         self.backend = attention_backend
         self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
                                donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
+
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        self.cache = KVCache.zeros(self.cfg, num_pages, self.page_size, self.kv_cache_dtype)
+
+    def activation_peak_bytes(self, example: StepArrays) -> int:
+        """Temporary bytes the step program of `example`'s shape needs (XLA's buffer
+        assignment of the compiled program, read before any cache exists: the cache is an
+        abstract two-page stand-in, donated and aliased, so its size does not count)."""
+        buffers, layout = _pack(example)
+        cache = jax.eval_shape(lambda: KVCache.zeros(self.cfg, 2, self.page_size,
+                                                     self.kv_cache_dtype))
+        compiled = self._jitted.lower(self.params, cache, buffers, layout=layout).compile()
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError("this backend reports no memory analysis for a compiled step")
+        # Temporaries, plus outputs that are not the aliased cache (the sampled tokens).
+        return int(stats.temp_size_in_bytes + stats.output_size_in_bytes
+                   - stats.alias_size_in_bytes)
 
     @property
     def num_compiled(self) -> int:
@@ -137,13 +164,24 @@ class ModelRunner:
                                                     out.top_logprobs)))
 
 
-def enable_compilation_cache(path: str) -> None:
-    """JAX's persistent compilation cache: a restart loads programs instead of compiling."""
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache: a restart loads programs instead of compiling.
+    None or "" turns it off."""
+    if not path:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def device_memory_bytes() -> int | None:
+    """The allocator's limit on the default device (None where the device reports none)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+def device_peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
