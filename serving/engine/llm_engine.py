@@ -29,7 +29,7 @@ from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
 from serving.core.request_checks import check_request_token_ids
-from serving.engine.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
+from serving.engine.runner import ModelRunner, StepResult, enable_compilation_cache, gpu_memory_limit
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -82,7 +82,7 @@ class LLMEngine:
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True)
         del params
         self.memory_plan = None
-        limit = device_memory_bytes() if on_gpu else None
+        limit = gpu_memory_limit()
         if limit:
             self.memory_plan = sizing.gpu_plan(ec, self.cfg, page_bytes, self.weight_bytes,
                                                limit, self._activation_peak)
