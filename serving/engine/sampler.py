@@ -1,5 +1,11 @@
 """On-device sampling, vectorised over the batch: one row per request, no Python branches on
-per-request values. Work that no request in the step needs is skipped with `lax.cond`."""
+per-request values.
+
+Work that no request in the step needs (penalties, bias, filters, random draws, logprobs) is
+skipped with `lax.cond` on a CPU, where the conditional costs nothing and the skipped work is
+most of a small step. On a GPU a conditional's predicate is copied to the host before the
+branch is launched, which stalls dispatch and undoes the overlap of host work with the device
+step: there every stage runs and `jnp.where` picks its result (`branch_mode`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,10 +100,30 @@ def _top_logprobs(logits):
     return logprobs, ids.astype(jnp.int32), vals
 
 
-def sample(logits, s: SamplingInputs) -> SampleOutput:
+BRANCH_MODES = ("cond", "select")
+
+
+def branch_mode() -> str:
+    """"cond" on a CPU (skipped work is saved), "select" elsewhere (no host round trip)."""
+    return "cond" if jax.default_backend() == "cpu" else "select"
+
+
+def _when(mode: str, flag, stage, otherwise, *operands):
+    """stage(*operands) where flag (a bool[] scalar) holds, else otherwise(*operands)."""
+    if mode == "cond":
+        return jax.lax.cond(flag, stage, otherwise, *operands)
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), stage(*operands),
+                        otherwise(*operands))
+
+
+def sample(logits, s: SamplingInputs, mode: str | None = None) -> SampleOutput:
     """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
     and output index, so a request samples the same tokens whatever else is in the batch.
-    A step of greedy requests asking for nothing else takes the argmax alone."""
+    A step of greedy requests asking for nothing else takes the argmax alone (under "cond").
+    mode: one of BRANCH_MODES; None: branch_mode() of the default device."""
+    mode = mode or branch_mode()
+    if mode not in BRANCH_MODES:
+        raise ValueError(f"unknown branch mode {mode!r}; choose one of {BRANCH_MODES}")
     R, _ = logits.shape
 
     def plain(raw):
@@ -105,23 +131,26 @@ def sample(logits, s: SamplingInputs) -> SampleOutput:
                             jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
                             jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
 
+    if mode == "select":  # every stage below selects its own result: no outer branch
+        return _sample_any(logits, s, mode)
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
-    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s), plain, logits)
+    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s, mode), plain, logits)
 
 
-def _sample_any(logits, s: SamplingInputs) -> SampleOutput:
+def _sample_any(logits, s: SamplingInputs, mode: str) -> SampleOutput:
     R, V = logits.shape
     raw = logits
-    logits = jax.lax.cond(s.any_penalty, apply_penalties, lambda l, _: l, logits, s)
-    logits = jax.lax.cond(s.any_bias, apply_bias, lambda l, _: l, logits, s)
+    unchanged = lambda l, _: l  # noqa: E731
+    logits = _when(mode, s.any_penalty, apply_penalties, unchanged, logits, s)
+    logits = _when(mode, s.any_bias, apply_bias, unchanged, logits, s)
     greedy = argmax_rows(logits)
 
     def random_tokens(logits):
-        filtered = jax.lax.cond(s.any_filter, apply_filters, lambda l, _: l, logits, s)
+        filtered = _when(mode, s.any_filter, apply_filters, unchanged, logits, s)
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
         return argmax_rows(filtered / temp + _gumbel(s, (R, V)))
 
-    drawn = jax.lax.cond(s.any_random, random_tokens, lambda l: greedy, logits)
+    drawn = _when(mode, s.any_random, random_tokens, lambda l: greedy, logits)
     tokens = jnp.where(s.temperature > 0, drawn, greedy)
 
     def logprob_outputs(raw):
@@ -132,5 +161,5 @@ def _sample_any(logits, s: SamplingInputs) -> SampleOutput:
         return (jnp.zeros((R,), jnp.float32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
                 jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
 
-    logprob, top_ids, top_vals = jax.lax.cond(s.any_logprobs, logprob_outputs, no_logprobs, raw)
+    logprob, top_ids, top_vals = _when(mode, s.any_logprobs, logprob_outputs, no_logprobs, raw)
     return SampleOutput(tokens, logprob, top_ids, top_vals)
