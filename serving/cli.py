@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="weights and activations; auto: the config's torch_dtype, but "
                         "bfloat16 for a float32 model on a GPU (on a CPU: the checkpoint's)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from the folder's config.json (vLLM's name; "
+                        "for benchmarks and GPU checks)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: on a GPU the model's whole context if the KV cache holds one "
@@ -106,7 +109,7 @@ def _model(args) -> str | None:
 
 
 def _engine_config(args) -> EngineConfig:
-    kwargs = dict(model=_model(args), dtype=args.dtype,
+    kwargs = dict(model=_model(args), dtype=args.dtype, load_format=args.load_format,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
