@@ -249,7 +249,7 @@ class LLMEngine:
                              queue_time=queue_time)
 
 
-def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None):
+def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None = None):
     if ec.load_format == "dummy":
         cfg = ModelConfig.from_dir(model_dir, dtype)
         params = init_params(cfg, ec.seed)
