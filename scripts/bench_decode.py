@@ -61,6 +61,9 @@ def parse_args():
                    help="the engine's own KV cache sizing (the memory plan), not the batch's")
     p.add_argument("--compilation-cache-dir", default="",
                    help="JAX's persistent compilation cache ('' off: every run compiles)")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="build and warm up the engine, report, and stop (with the same "
+                        "options and --compilation-cache-dir: a warm restart)")
     p.add_argument("--max-seconds", type=float, default=float("inf"),
                    help="skip the remaining batch sizes once this much time has passed")
     p.add_argument("--out", type=Path, help="append the table to this file")
@@ -149,9 +152,12 @@ def streamed_weight_bytes(engine) -> int:
 
 
 def build(args, model_dir: Path):
+    """-> (engine, seconds its warm-up took: compiling, or loading from the cache)."""
     from serving.engine.llm_engine import LLMEngine
     engine = LLMEngine(engine_config(args, model_dir))
-    return engine, sum(engine.warmup())
+    started = time.perf_counter()
+    engine.warmup()
+    return engine, time.perf_counter() - started
 
 
 def main() -> int:
@@ -197,11 +203,16 @@ def main() -> int:
         if peak is not None:
             emit(f"# device peak memory after warm-up {peak / 2**30:.2f} GiB (limit "
                  f"{(device_memory_bytes() or 0) / 2**30:.2f} GiB)")
-        emit(f"# warm-up compiled {len(engine.step_shapes)} programs in {compile_s:.1f} s; copy "
+        emit(f"# warm-up of {len(engine.step_shapes)} programs took {compile_s:.1f} s (compilation "
+             f"cache {args.compilation_cache_dir or 'off'}); copy "
              f"bandwidth {bw / 1e9:.1f} GB/s; weights streamed per step "
              f"{streamed / 2**30:.2f} GiB -> bound {bound_ms:.2f} ms/step")
         emit(f"# prompt {args.prompt_len} tokens, {args.output_len} output tokens, "
              f"dtype {args.dtype}, attention {engine.attention_backend}")
+        if args.warmup_only:
+            emit(f"# warm-up only: engine built and warm {time.perf_counter() - began:.1f} s "
+                 "after start")
+            return 1 if failures else 0
         emit("batch | full_steps | step_ms | tok_per_s | bound_ms | pct_of_bound | other_s")
         rng = np.random.default_rng(0)
         for batch in args.batch_sizes:
