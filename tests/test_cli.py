@@ -114,3 +114,26 @@ def test_dtype_auto_follows_vllm(tmp_path, torch_dtype, on_gpu, expected):
     assert resolve_dtype("float16", tmp_path, on_gpu) == "float16"
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float64", tmp_path, on_gpu)
+
+
+def _setup(tmp_path, nvidia_smi: str | None, extra=()):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if nvidia_smi is not None:
+        tool = bin_dir / "nvidia-smi"
+        tool.write_text(f"#!/bin/sh\n{nvidia_smi}\n")
+        tool.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "XLASERVE_SETUP_DRY_RUN": "1"}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), *extra], env=env,
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_setup_installs_the_cuda_extra_where_nvidia_smi_reports_a_gpu(tmp_path):
+    out = _setup(tmp_path, "echo 'NVIDIA H200'", ["test"])
+    assert "NVIDIA GPU found (NVIDIA H200)" in out and "would install .[test,cuda12]" in out
+
+
+def test_setup_stays_on_cpu_without_a_gpu(tmp_path):
+    assert "would install .[]" in _setup(tmp_path, None)
+    out = _setup(tmp_path, "exit 9")  # nvidia-smi present, no driver or no GPU
+    assert "no NVIDIA GPU" in out and "would install .[]" in out
