@@ -14,7 +14,7 @@ from serving.engine import memory_plan
 from serving.engine.memory_plan import MemoryPlanError, parse_bytes, plan_memory
 
 GIB = 1 << 30
-H200_BYTES = 143_771_000_000  # what an H200's 141 GB of HBM3e reports
+H200_BYTES = 143_771 << 20  # what nvidia-smi reports for an H200 (143771 MiB)
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
