@@ -137,3 +137,18 @@ def test_setup_stays_on_cpu_without_a_gpu(tmp_path):
     assert "would install .[]" in _setup(tmp_path, None)
     out = _setup(tmp_path, "exit 9")  # nvidia-smi present, no driver or no GPU
     assert "no NVIDIA GPU" in out and "would install .[]" in out
+
+
+def test_compilation_cache_off_and_on():
+    import jax
+    from serving.engine.runner import enable_compilation_cache
+    before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    try:
+        enable_compilation_cache("")
+        assert jax.config.jax_enable_compilation_cache is False
+        enable_compilation_cache("/tmp/xlaserve-test-cache")
+        assert jax.config.jax_enable_compilation_cache is True
+        assert jax.config.jax_compilation_cache_dir == "/tmp/xlaserve-test-cache"
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before[0])
+        jax.config.update("jax_compilation_cache_dir", before[1])

@@ -324,7 +324,7 @@ def test_block_sizes_decode_splits_and_prefill_tiles():
 ENGINE_OPTIONS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                       token_buckets=(16,), request_buckets=(4,), page_buckets=(4,),
                       page_size=16, kv_cache_memory=16 << 20, compilation_cache_dir=None,
-                      progress=False)
+                      progress=False, dtype="float32")  # on a GPU too: kernels compared, not dtypes
 
 
 def greedy_tokens(model_dir, backend, prompts, max_tokens=8, **options):
