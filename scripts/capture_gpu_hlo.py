@@ -13,6 +13,11 @@ large, and only this script uses it):
     pip download --no-deps -d /tmp/whl jax-cuda12-pjrt==0.11.2 jax-cuda12-plugin==0.11.2
     for w in /tmp/whl/*.whl; do python -m zipfile -e "$w" /tmp/cudaplug; done
     JAX_PLATFORMS=cpu PYTHONPATH=/tmp/cudaplug:. python scripts/capture_gpu_hlo.py
+    XLASERVE_CPU_KERNELS=0 JAX_PLATFORMS=cpu PYTHONPATH=/tmp/cudaplug:. \
+        python scripts/capture_gpu_hlo.py --step pallas     # the 8B step's activation peak
+
+(XLASERVE_CPU_KERNELS=0: the host is a CPU, but the program is for the GPU, which has none of
+our C++ kernels.)
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -65,6 +71,45 @@ def abstract_weight(name: str, k: int, n: int, sharding):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), w)
 
 
+def step_peaks(device, backend: str) -> None:
+    """The largest step program of a Llama-3.1-8B-shaped bf16 engine, compiled for the target
+    with `backend`'s attention: its temporaries, as the memory plan reads them."""
+    import time
+    from functools import partial
+
+    from bench_decode import LLAMA_8B
+    from model import attention
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from model.runtime_params import prepare_params
+    from model.transformer import abstract_params
+    from serving.core.buckets import Buckets
+    from serving.engine.input_prep import all_step_shapes, padding_step
+    from serving.engine.runner import _pack, _step
+    attention.PALLAS_INTERPRET = False
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    put = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    cfg = ModelConfig.from_hf(LLAMA_8B, "bfloat16")
+    params = put(jax.eval_shape(lambda: prepare_params(jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(cfg)))))
+    cache = put(jax.eval_shape(lambda: KVCache.zeros(cfg, 2, 16)))
+    kind = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    # (max_num_seqs, max_num_batched_tokens, max_model_len): the defaults at the whole and
+    # an 8k context, and bench_decode's batch-256 engine.
+    for seqs, tokens, max_len in ((64, 512, 131072), (64, 512, 8192), (256, 4096, 1024)):
+        shape = max(all_step_shapes(Buckets.derive(seqs, tokens, max_len, 16), seqs))
+        buffers, layout = _pack(padding_step(shape, 16))
+        started = time.perf_counter()
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                      abstract_device=kind)):
+            compiled = jax.jit(partial(_step, cfg=cfg, backend=backend, layout=layout),
+                               donate_argnums=(1,)).lower(params, cache, put(buffers)).compile()
+        m = compiled.memory_analysis()
+        print(f"8B step {shape} ({backend}): temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB, "
+              f"compiled in {time.perf_counter() - started:.0f} s", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=4096)
@@ -72,8 +117,14 @@ def main() -> int:
     ap.add_argument("--m", default="1,64")
     ap.add_argument("--target-config", type=Path, default=DATA / "h200_target_config.txtpb")
     ap.add_argument("--out", type=Path, default=DATA)
+    ap.add_argument("--step", default=None, metavar="BACKEND",
+                    help="instead: the 8B engine's largest step programs with this attention "
+                         "backend (pallas, pallas_pages), their temporaries")
     args = ap.parse_args()
     device = compile_only_device(args.target_config)
+    if args.step:
+        step_peaks(device, args.step)
+        return 0
     sharding = jax.sharding.SingleDeviceSharding(device)
     for name in SCHEMES:
         w = abstract_weight(name, args.k, args.n, sharding)
