@@ -3,16 +3,16 @@
 # and the project preinstalled), so a 15-minute device lease can run it twice:
 #   part             budget  what
 #   device-info        10 s  GPU, driver, JAX's view of its memory
-#   kernel-tests       60 s  both Pallas kernels (pallas, pallas_pages) natively against the
+#   kernel-tests       55 s  both Pallas kernels (pallas, pallas_pages) natively against the
 #                            reference, and in the engine on random and real (demo) weights
-#   bench-kernels      55 s  decode attention bandwidth of both kernels vs copy bandwidth (the
+#   bench-kernels      50 s  decode attention bandwidth of both kernels vs copy bandwidth (the
 #                            goal cases), then a tile sweep (--tune) in what is left
-#   engine-8b-cold     95 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
+#   engine-8b-cold    100 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
 #                            (the plan, peak memory), cold warm-up, decode tok/s at batch
 #                            1/64/256 over steps where the whole batch decodes
-#   engine-8b-warm     40 s  the same engine restarted: warm-up from the compilation cache
+#   engine-8b-warm     35 s  the same engine restarted: warm-up from the compilation cache
 #   quant-hlo          20 s  the GEMM XLA chose for int8 / fp8 weights (8B MLP shape)
-#   serve-8b           55 s  `python -m serving serve` on that model: /health, one streamed
+#   serve-8b           65 s  `python -m serving serve` on that model: /health, one streamed
 #                            completion
 # Each part runs under `timeout` (its budget, cut to what is left of the pass); a part that
 # fails or times out is reported and the others still run. One table: $1, else
@@ -89,23 +89,23 @@ else
   SERVE_SHAPE=8b NATIVE=1
 fi
 
-XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 60 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
   "${KERNEL_TESTS[@]}"
 grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$LOGDIR/kernel-tests.log" | tail -15 \
   >> "$TABLE" || true
 
-run bench-kernels 55 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 48 \
+run bench-kernels 50 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 43 \
   --out "$TABLE"
 
 DECODE=("$PY" scripts/bench_decode.py "${SHAPE[@]}" --default-sizing --prompt-len 128
         --max-model-len 1024 --compilation-cache-dir "$WORK/jax-cache" --out "$TABLE")
-run engine-8b-cold 95 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 64 \
-  --max-seconds 80
-run engine-8b-warm 40 "${DECODE[@]}" --batch-sizes "$BATCHES" --warmup-only
+run engine-8b-cold 100 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 64 \
+  --max-seconds 85
+run engine-8b-warm 35 "${DECODE[@]}" --batch-sizes "$BATCHES" --warmup-only
 
 run quant-hlo 20 "$PY" -m quant.hlo "${HLO_ARGS[@]}" --out "$TABLE"
 
-run serve-8b 55 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$MODEL" \
+run serve-8b 65 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$MODEL" \
   --out "$TABLE"
 
 note ""
