@@ -9,6 +9,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs only)
 
 
 @dataclass
@@ -29,3 +30,6 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduled, on the first update
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None; on the first
+    # update only (the prefill computed them all by then).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -11,7 +11,8 @@ import numpy as np
 
 from serving.core.buckets import Buckets
 from serving.core.sampling_params import MAX_LOGIT_BIAS
-from serving.core.scheduler import SchedulerOutput
+from serving.core.scheduler import ScheduledRequest, SchedulerOutput
+from serving.core.prompt_logprobs import wants_prompt_logprobs
 
 SINK_SLOT = 0  # padding tokens write to slot 0 of the reserved sink page 0
 
@@ -22,6 +23,8 @@ class StepArrays:
     batch: dict[str, np.ndarray]
     sampling: dict[str, np.ndarray]
     wants_logprobs: bool
+    prompt: dict[str, np.ndarray]  # serving.engine.prompt_logprobs.PromptInputs
+    wants_prompt_logprobs: bool = False
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -65,7 +68,10 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
                  req_indices=req_indices, page_table=page_table, logits_indices=logits_indices)
     sampling = _sampling_arrays(out, R, P * page_size)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
-    return StepArrays((T, R, P), batch, sampling, wants)
+    wants_prompt = any(wants_prompt_logprobs(s) for s in sched)
+    prompt = dict(targets=prompt_targets(sched, T) if wants_prompt else _placeholder((T,)),
+                  any_prompt_logprobs=np.bool_(wants_prompt))
+    return StepArrays((T, R, P), batch, sampling, wants, prompt, wants_prompt)
 
 
 def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
@@ -75,7 +81,9 @@ def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
                  logits_indices=np.zeros(R, np.int32))
-    return StepArrays(shape, batch, _sampling_arrays(SchedulerOutput(), R, P * page_size), False)
+    prompt = dict(targets=_placeholder((T,)), any_prompt_logprobs=np.bool_(False))
+    return StepArrays(shape, batch, _sampling_arrays(SchedulerOutput(), R, P * page_size), False,
+                      prompt)
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarray]:
@@ -116,10 +124,10 @@ def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarr
     return arrays
 
 
-_placeholders: dict[tuple[int, int], np.ndarray] = {}
+_placeholders: dict[tuple[int, ...], np.ndarray] = {}
 
 
-def _placeholder(shape: tuple[int, int]) -> np.ndarray:
+def _placeholder(shape: tuple[int, ...]) -> np.ndarray:
     if shape not in _placeholders:
         _placeholders[shape] = np.full(shape, -1, np.int32)
     return _placeholders[shape]
@@ -141,3 +149,17 @@ def _bias(params, R: int) -> tuple[np.ndarray, np.ndarray]:
         for j, (token, value) in enumerate(p.logit_bias.items()):
             ids[i, j], values[i, j] = token, value
     return ids, values
+
+
+def prompt_targets(sched: list[ScheduledRequest], T: int) -> np.ndarray:
+    """-> i32[T]: for each token of the step, the prompt token after it when its request
+    asks for prompt logprobs, else -1."""
+    targets = np.full(T, -1, np.int32)
+    t = 0
+    for s in sched:
+        if wants_prompt_logprobs(s):
+            prompt = s.request.prompt_token_ids
+            m = min(s.num_new_tokens, len(prompt) - 1 - s.start)
+            targets[t:t + m] = prompt[s.start + 1:s.start + 1 + m]
+        t += s.num_new_tokens
+    return targets

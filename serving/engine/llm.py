@@ -31,6 +31,10 @@ class CompletionResult:
     def logprobs(self):
         return self.outputs[0].logprobs
 
+    @property
+    def prompt_logprobs(self):
+        return self.outputs[0].prompt_logprobs
+
 
 class LLM:
     def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_options):
@@ -67,10 +71,14 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
+        prompt_logprobs = {}  # on a request's first update; kept for its final output
         while self.engine.has_unfinished:
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     result, i = ids[out.request_id]
+                    out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
                     result.outputs[i] = out
         return results
 

@@ -17,17 +17,21 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
-from model.transformer import forward
+from model.transformer import compute_logits, forward_hidden
 from serving.engine.input_prep import StepArrays
-from serving.engine.sampler import SampleOutput, SamplingInputs, sample
+from serving.engine.prompt_logprobs import PromptInputs, PromptOutput, prompt_logprobs
+from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample
 
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, *, layout, cfg: ModelConfig, backend: str):
-    batch, sampling = _unpack(buffers, layout)
-    logits, cache = forward(params, cache, Batch(**batch), cfg, backend)
-    return sample(logits, SamplingInputs(**sampling)), cache
+def _step(params, cache, buffers, *, layout, cfg: ModelConfig, backend: str, num_top: int):
+    batch, sampling, prompt = _unpack(buffers, layout)
+    batch = Batch(**batch)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
+    logits = compute_logits(params, hidden[batch.logits_indices], cfg)
+    sampled = sample(logits, SamplingInputs(**sampling), num_top)
+    return sampled, prompt_logprobs(params, hidden, PromptInputs(**prompt), cfg, num_top), cache
 
 
 # A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
@@ -39,6 +43,7 @@ def _pack(arrays: StepArrays):
     """-> (flat buffers, one per dtype; layout)."""
     named = [("batch", k, v) for k, v in arrays.batch.items()]
     named += [("sampling", k, v) for k, v in arrays.sampling.items()]
+    named += [("prompt", k, v) for k, v in arrays.prompt.items()]
     dtypes = sorted({np.dtype(v.dtype).str for _, _, v in named})
     buffers, layout = [], []
     for dt in dtypes:
@@ -53,29 +58,32 @@ def _pack(arrays: StepArrays):
 
 def _unpack(buffers, layout):
     by_dtype = {np.dtype(b.dtype).str: b for b in buffers}
-    out = {"batch": {}, "sampling": {}}
+    out = {"batch": {}, "sampling": {}, "prompt": {}}
     for group, name, dt, shape, offset in layout:
         size = int(np.prod(shape, dtype=np.int64))
         out[group][name] = by_dtype[dt][offset:offset + size].reshape(shape)
-    return out["batch"], out["sampling"]
+    return out["batch"], out["sampling"], out["prompt"]
 
 
 @dataclass
 class StepResult:
     tokens: np.ndarray  # i32[R]
     logprob: np.ndarray | None = None  # f32[R]
-    top_ids: np.ndarray | None = None  # i32[R, NUM_TOP_LOGPROBS]
+    top_ids: np.ndarray | None = None  # i32[R, K]
     top_logprobs: np.ndarray | None = None
+    prompt: PromptOutput | None = None  # numpy arrays over the step's T tokens, when asked
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-                 attention_backend: str = "reference", kv_cache_dtype: str | None = None):
+                 attention_backend: str = "reference", kv_cache_dtype: str | None = None,
+                 max_logprobs: int = NUM_TOP_LOGPROBS):
         self.cfg = cfg
         self.params = prepare_params(params)
         self.cache = KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype)
         self.backend = attention_backend
-        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
+        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
+                                       num_top=max_logprobs),
                                donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
 
@@ -120,21 +128,25 @@ class ModelRunner:
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
-        out, self.cache = program(self.params, self.cache, jax.device_put(buffers))
+        out, prompt, self.cache = program(self.params, self.cache, jax.device_put(buffers))
         out.tokens.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
                 a.copy_to_host_async()
-        return out, arrays.wants_logprobs
+        if arrays.wants_prompt_logprobs:
+            for a in jax.tree.leaves(prompt):
+                a.copy_to_host_async()
+        return out, arrays.wants_logprobs, prompt if arrays.wants_prompt_logprobs else None
 
     @staticmethod
     def fetch(handle) -> StepResult:
-        out, wants_logprobs = handle
+        out, wants_logprobs, prompt = handle
         out: SampleOutput
+        prompt = None if prompt is None else jax.tree.map(np.asarray, prompt)
         if not wants_logprobs:
-            return StepResult(np.asarray(out.tokens))
+            return StepResult(np.asarray(out.tokens), prompt=prompt)
         return StepResult(*(np.asarray(a) for a in (out.tokens, out.logprob, out.top_ids,
-                                                    out.top_logprobs)))
+                                                    out.top_logprobs)), prompt=prompt)
 
 
 def enable_compilation_cache(path: str) -> None:
