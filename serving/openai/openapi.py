@@ -80,7 +80,8 @@ def _message() -> dict:
                               {"type": "null", "description": "assistant messages only"}]}}}
 
 
-def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str, dict]:
+def request_schemas(model: str, vocab_size: int, max_model_len: int,
+                    max_logprobs: int = MAX_LOGPROBS) -> dict[str, dict]:
     """Route -> JSON Schema of its request body."""
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     token_ids = {"type": "array", "items": token_id, "minItems": 1,
@@ -88,6 +89,9 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
     max_tokens = _int(1, max_model_len - 1, description="prompt tokens + max_tokens must fit "
                                                         f"the context ({max_model_len})")
     sampling = _sampling_fields(token_id, model)
+    prompt_logprobs = _int(0, max_logprobs, description=(
+        "vLLM's: per prompt token (the first null) its logprob, rank and the top k, keyed by "
+        "token id; not with stream"))
     completion = {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"anyOf": [
             NON_EMPTY_STRING,
@@ -95,9 +99,13 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
             token_ids,
             {"type": "array", "items": token_ids, "minItems": 1}],
             "description": "text, texts, token ids or lists of token ids"},
-        "max_tokens": {**max_tokens, "description": "default 16"},
-        "logprobs": _int(0, MAX_LOGPROBS),
-        "echo": _bool(description="not together with logprobs"),
+        "max_tokens": _int(0, max_model_len - 1, description=(
+            f"default 16; prompt tokens + max_tokens must fit the context ({max_model_len}); "
+            "0 only with echo: the prompt alone")),
+        "logprobs": _int(0, max_logprobs),
+        "echo": _bool(description="prompt text + completion; with logprobs, they cover the "
+                                  "prompt's tokens (the first null), then the completion's"),
+        "prompt_logprobs": prompt_logprobs,
         "suffix": {"type": "null", "description": "not supported"},
         **sampling}}
     chat = {"type": "object", "required": ["messages"], "properties": {
@@ -105,7 +113,8 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
         "max_tokens": {**max_tokens, "description": "default: what the context leaves"},
         "max_completion_tokens": {**max_tokens, "description": "wins over max_tokens"},
         "logprobs": _bool(),
-        "top_logprobs": _int(0, MAX_LOGPROBS, description="requires logprobs: true"),
+        "top_logprobs": _int(0, max_logprobs, description="requires logprobs: true"),
+        "prompt_logprobs": prompt_logprobs,
         "add_generation_prompt": _bool(),
         "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
                   "description": "tool calling is not supported"},
@@ -155,8 +164,9 @@ def _get(summary: str, content_type: str = "application/json", **extra) -> dict:
                                   **_errors(401, 404, 405, 503)}, **extra}}
 
 
-def openapi_spec(model: str, vocab_size: int, max_model_len: int) -> dict:
-    bodies = request_schemas(model, vocab_size, max_model_len)
+def openapi_spec(model: str, vocab_size: int, max_model_len: int,
+                 max_logprobs: int = MAX_LOGPROBS) -> dict:
+    bodies = request_schemas(model, vocab_size, max_model_len, max_logprobs)
     model_param = {"name": "model", "in": "path", "required": True,
                    "schema": {"type": "string"}}
     return {
@@ -172,6 +182,7 @@ def openapi_spec(model: str, vocab_size: int, max_model_len: int) -> dict:
             "/v1/models/{model}": _get("one model", parameters=[model_param]),
             "/tokenize": _post("text or messages to token ids", bodies["/tokenize"]),
             "/detokenize": _post("token ids to text", bodies["/detokenize"]),
+            "/tokenizer_info": _get("the tokenizer's special tokens and chat template"),
             "/health": _get("200 once ready; 503 while warming up, draining or after the "
                             "engine failed", security=[]),
             "/metrics": _get("Prometheus metrics", "text/plain"),

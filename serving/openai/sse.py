@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from serving.openai import echo
 from serving.openai import protocol as p
 from serving.openai import responses
 from serving.engine.async_engine import EngineDeadError
@@ -44,6 +45,10 @@ class Choice:
     prompt_index: int = 0  # which prompt of the request: usage counts each prompt once
     prompt_text: str = ""  # echoed before the completion (completions with echo)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    echo_only: bool = False  # max_tokens 0 with echo: the one sampled token is not shown
+    echo_logprobs: bool = False  # echo with logprobs: they cover the prompt, then the rest
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, with this top k
+    echo_pending: bool = False  # streaming: the echo waits for the prompt's logprobs
 
 
 class OutputStream:
@@ -162,13 +167,16 @@ class _Format:
     chunk_object = ""
 
     def __init__(self, request_id: str, model: str, texts: "TokenTexts | None",
-                 include_usage: bool):
+                 include_usage: bool, logprobs: bool | None = None):
+        """texts: for logprobs or prompt_logprobs; logprobs: whether the choices carry
+        logprobs (default: when texts are given)."""
         self.request_id, self.model, self.texts = request_id, model, texts
         self.include_usage = include_usage
+        self.logprobs = texts is not None if logprobs is None else logprobs
         self.created = responses.now()
 
     def entries(self, logprobs: list[TokenLogprob] | None) -> list[responses.LogprobEntry] | None:
-        if self.texts is None:
+        if not self.logprobs:
             return None
         return [self.texts.entry(lp) for lp in (logprobs or [])]
 
@@ -182,26 +190,61 @@ class CompletionFormat(_Format):
     def opening(self, choice: Choice) -> list[dict]:
         if not choice.prompt_text:
             return []
+        if choice.echo_logprobs:  # sent with the first update, which brings the prompt's
+            choice.echo_pending = True
+            return []
         choice.text_offset = len(choice.prompt_text)
         return [responses.completion_chunk(self.request_id, self.model, self.created, choice.index,
                                    choice.prompt_text, include_usage=self.include_usage)]
 
-    def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
-        entries = self.entries(out.new_logprobs)
-        if not (out.new_text or out.finished or entries):
+    def _shown(self, choice: Choice, text: str, logprobs):
+        """(text, logprob entries) of the completion as the client sees it."""
+        entries = self.entries(logprobs)
+        if choice.echo_only:
+            return "", None if entries is None else []
+        return text, entries
+
+    def _logprobs(self, choice: Choice, entries, prompt_logprobs) -> dict | None:
+        """Completions logprobs: with echo, the prompt's tokens (offsets from 0), then the
+        completion's (offsets after the echoed prompt text)."""
+        if entries is None:
             return None
-        logprobs = None if entries is None else responses.completion_logprobs(entries, choice.text_offset)
-        choice.text_offset += len(out.new_text)
+        rest = responses.completion_logprobs(entries, len(choice.prompt_text))
+        if not choice.echo_logprobs or prompt_logprobs is None:
+            return rest
+        prompt = responses.completion_logprobs(
+            echo.prompt_entries(self.texts, choice.prompt_ids, prompt_logprobs), 0)
+        return {key: prompt[key] + rest[key] for key in prompt}
+
+    def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
+        text, entries = self._shown(choice, out.new_text, out.new_logprobs)
+        if choice.echo_pending:
+            choice.echo_pending = False
+            logprobs = self._logprobs(choice, entries, out.prompt_logprobs)
+            choice.text_offset = len(choice.prompt_text) + len(text)
+            text = choice.prompt_text + text
+        elif not (text or out.finished or entries):
+            return None
+        else:
+            logprobs = None if entries is None else responses.completion_logprobs(
+                entries, choice.text_offset)
+            choice.text_offset += len(text)
         return responses.completion_chunk(
-            self.request_id, self.model, self.created, choice.index, out.new_text,
+            self.request_id, self.model, self.created, choice.index, text,
             out.finish_reason if out.finished else None, logprobs,
             out.stop_reason if out.finished else None, include_usage=self.include_usage)
 
-    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
-        entries = self.entries(logprobs)
-        lp = None if entries is None else responses.completion_logprobs(entries, len(choice.prompt_text))
-        return responses.completion_choice(choice.index, choice.prompt_text + out.text,
-                                   out.finish_reason, lp, out.stop_reason)
+    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob],
+               prompt_logprobs=None) -> dict:
+        text, entries = self._shown(choice, out.text, logprobs)
+        body = responses.completion_choice(choice.index, choice.prompt_text + text,
+                                           out.finish_reason,
+                                           self._logprobs(choice, entries, prompt_logprobs),
+                                           out.stop_reason)
+        if choice.prompt_logprobs is not None:
+            body["prompt_logprobs"] = echo.vllm_prompt_logprobs(
+                self.texts, prompt_logprobs or [], choice.prompt_logprobs)
+        return body
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         return responses.completion_response(self.request_id, self.model, self.created, choices, usage)
@@ -209,6 +252,7 @@ class CompletionFormat(_Format):
 
 class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
+    prompt_logprobs: list | None = None  # vLLM's field, set by choice()
 
     def opening(self, choice: Choice) -> list[dict]:
         return [responses.chat_chunk(self.request_id, self.model, self.created, choice.index,
@@ -225,19 +269,27 @@ class ChatFormat(_Format):
                             out.finish_reason if out.finished else None, logprobs,
                             out.stop_reason, include_usage=self.include_usage)
 
-    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
+    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob],
+               prompt_logprobs=None) -> dict:
         entries = self.entries(logprobs)
         lp = None if entries is None else responses.chat_logprobs(entries)
+        if choice.prompt_logprobs is not None:  # vLLM puts it on the response, not a choice
+            self.prompt_logprobs = echo.vllm_prompt_logprobs(
+                self.texts, prompt_logprobs or [], choice.prompt_logprobs)
         return responses.chat_choice(choice.index, out.text, out.finish_reason, lp, out.stop_reason)
 
     def response(self, choices: list[dict], usage: dict) -> dict:
-        return responses.chat_response(self.request_id, self.model, self.created, choices, usage)
+        body = responses.chat_response(self.request_id, self.model, self.created, choices, usage)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
+        return body
 
 
 def count_usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
-    """Prompt tokens once per prompt (not once per choice), as OpenAI counts."""
+    """Prompt tokens once per prompt (not once per choice), as OpenAI counts. Echo without
+    generation generated nothing the client sees."""
     prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
-    completion = sum(len(out.token_ids) for out in finals.values())
+    completion = sum(len(finals[c.index].token_ids) for c in choices if not c.echo_only)
     return responses.usage(sum(prompts.values()), completion)
 
 
@@ -252,15 +304,19 @@ async def collect(stream: OutputStream, fmt: _Format, choices: list[Choice]) -> 
     """Non-streaming: wait for every choice, then one JSON body with usage."""
     finals: dict[int, RequestOutput] = {}
     logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in choices}
+    prompt_logprobs: dict[int, list] = {}  # on each request's first update
     while (item := await stream.get()) is not None:
         choice, out = item
         logprobs[choice.index].extend(out.new_logprobs or [])
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[choice.index] = out.prompt_logprobs
         if (failure := engine_failure(out)) is not None:
             raise failure
         if out.finished:
             finals[choice.index] = out
     _check_all_finished(choices, finals)
-    body = [fmt.choice(c, finals[c.index], logprobs[c.index]) for c in choices]
+    body = [fmt.choice(c, finals[c.index], logprobs[c.index], prompt_logprobs.get(c.index))
+            for c in choices]
     return fmt.response(body, count_usage(choices, finals))
 
 
