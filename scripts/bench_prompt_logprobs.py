@@ -1,12 +1,14 @@
-"""What prompt logprobs cost a step: the engine's step program (forward, sampling, and the
-prompt-logprobs branch under lax.cond) against the same step without the branch, for steps
-where no row asks and steps where one does, and the compile time of each program.
+"""What prompt logprobs cost a step: the engine's step (which also hands out its hidden
+states, in blocks) against the step as it was without prompt logprobs, for steps where no row
+asks and steps where one does (the step, then the prompt-logprobs program on each block).
 
     python scripts/bench_prompt_logprobs.py [--model DIR] [--shapes 1,16,128,512] [--repeats 20]
 
 A shape N <= 16 is a decode step of N rows; larger, one request's prefill chunk of N tokens
-(the rows that ask score all of it). Times are the median of --repeats dispatch + fetch
-rounds of the compiled program, cache donated, in milliseconds.
+(when it asks, all N positions are scored). Times are the median of --repeats rounds of
+dispatch + fetch (tokens, and prompt logprobs when asked), cache donated, in milliseconds.
+Also printed: the compile seconds of the step program with and without the hidden states,
+and of the one prompt-logprobs program.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from model.batch import Batch  # noqa: E402
 from model.transformer import forward  # noqa: E402
@@ -36,7 +39,7 @@ DECODE_ROWS = 16
 
 def without_prompt_logprobs(params, cache, buffers, *, layout, cfg, backend, num_top):
     """The step as it was before prompt logprobs: forward to the sampled rows, sampling."""
-    batch, sampling, _ = _unpack(buffers, layout)
+    batch, sampling = _unpack(buffers, layout)
     logits, cache = forward(params, cache, Batch(**batch), cfg, backend)
     return sample(logits, SamplingInputs(**sampling), num_top), cache
 
@@ -57,20 +60,30 @@ def step_arrays(engine: LLMEngine, n: int, asks: bool):
     return prepare(SchedulerOutput(sched), engine.buckets, page, engine.config.max_num_seqs)
 
 
-def time_program(engine: LLMEngine, jitted, arrays, repeats: int) -> tuple[float, float]:
-    """-> (compile seconds, median ms per step)."""
+def interleaved_ms(runs: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each run, the runs taking turns (a shared machine drifts otherwise)."""
+    times = {name: [] for name in runs}
+    for i in range(repeats + 2):  # two rounds of warming up
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            if i >= 2:
+                times[name].append(time.perf_counter() - started)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def baseline_run(engine: LLMEngine, jitted, arrays):
+    """-> (compile seconds, one round) of the step without prompt logprobs."""
     runner = engine.runner
     buffers, layout = _pack(arrays)
     started = time.perf_counter()
     program = jitted.lower(runner.params, runner.cache, buffers, layout=layout).compile()
     compile_s = time.perf_counter() - started
-    times = []
-    for _ in range(repeats + 2):
-        started = time.perf_counter()
-        *out, runner.cache = program(runner.params, runner.cache, jax.device_put(buffers))
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - started)
-    return compile_s, 1e3 * statistics.median(times[2:])
+
+    def run():
+        out, runner.cache = program(runner.params, runner.cache, jax.device_put(buffers))
+        np.asarray(out.tokens)
+    return compile_s, run
 
 
 def main() -> int:
@@ -87,17 +100,23 @@ def main() -> int:
                                num_top=engine.config.max_logprobs),
                        donate_argnums=(1,), static_argnames=("layout",))
     print(engine.describe())
-    print(f"{'step':>14} | {'no branch ms':>12} | {'branch, no row asks ms':>22} | "
-          f"{'one row asks ms':>15} | compile s: no branch / branch")
+    prompt_compile_s = runner.compile_prompt_logprobs()
+    print(f"{'step':>14} | {'before ms':>9} | {'no row asks ms':>14} | {'one row asks ms':>15} | "
+          f"compile s: before / now")
     for n in (int(x) for x in args.shapes.split(",")):
         plain = step_arrays(engine, n, asks=False)
-        c0, t0 = time_program(engine, baseline, plain, args.repeats)
-        c1, t1 = time_program(engine, runner._jitted, plain, args.repeats)
-        asks = "-"
+        compile_before, before = baseline_run(engine, baseline, plain)
+        compile_now = runner.compile(plain.shape, plain)
+        runs = {"before": before, "now": lambda: runner.fetch(runner.dispatch(plain))}
         if n > DECODE_ROWS:  # a decode row has no prompt position left to score
-            asks = f"{time_program(engine, runner._jitted, step_arrays(engine, n, True), args.repeats)[1]:.2f}"
+            asks = step_arrays(engine, n, True)
+            runs["asks"] = lambda: runner.fetch(runner.dispatch(asks))
+        ms = interleaved_ms(runs, args.repeats)
         kind = f"decode x{n}" if n <= DECODE_ROWS else f"prefill {n}"
-        print(f"{kind:>14} | {t0:12.2f} | {t1:22.2f} | {asks:>15} | {c0:.1f} / {c1:.1f}")
+        asks_ms = f"{ms['asks']:.2f}" if "asks" in ms else "-"
+        print(f"{kind:>14} | {ms['before']:9.2f} | {ms['now']:14.2f} | {asks_ms:>15} | "
+              f"{compile_before:.1f} / {compile_now:.1f}")
+    print(f"the prompt-logprobs program compiled in {prompt_compile_s:.1f} s")
     return 0
 
 

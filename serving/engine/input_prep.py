@@ -23,8 +23,9 @@ class StepArrays:
     batch: dict[str, np.ndarray]
     sampling: dict[str, np.ndarray]
     wants_logprobs: bool
-    prompt: dict[str, np.ndarray]  # serving.engine.prompt_logprobs.PromptInputs
-    wants_prompt_logprobs: bool = False
+    # i32[T]: the prompt token each position scores (-1: none), when some row asks for
+    # prompt logprobs (serving.engine.prompt_logprobs); else None
+    prompt_targets: np.ndarray | None = None
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -68,10 +69,8 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
                  req_indices=req_indices, page_table=page_table, logits_indices=logits_indices)
     sampling = _sampling_arrays(out, R, P * page_size)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
-    wants_prompt = any(wants_prompt_logprobs(s) for s in sched)
-    prompt = dict(targets=prompt_targets(sched, T) if wants_prompt else _placeholder((T,)),
-                  any_prompt_logprobs=np.bool_(wants_prompt))
-    return StepArrays((T, R, P), batch, sampling, wants, prompt, wants_prompt)
+    targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
+    return StepArrays((T, R, P), batch, sampling, wants, targets)
 
 
 def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
@@ -81,9 +80,7 @@ def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
                  logits_indices=np.zeros(R, np.int32))
-    prompt = dict(targets=_placeholder((T,)), any_prompt_logprobs=np.bool_(False))
-    return StepArrays(shape, batch, _sampling_arrays(SchedulerOutput(), R, P * page_size), False,
-                      prompt)
+    return StepArrays(shape, batch, _sampling_arrays(SchedulerOutput(), R, P * page_size), False)
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarray]:
@@ -124,10 +121,10 @@ def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarr
     return arrays
 
 
-_placeholders: dict[tuple[int, ...], np.ndarray] = {}
+_placeholders: dict[tuple[int, int], np.ndarray] = {}
 
 
-def _placeholder(shape: tuple[int, ...]) -> np.ndarray:
+def _placeholder(shape: tuple[int, int]) -> np.ndarray:
     if shape not in _placeholders:
         _placeholders[shape] = np.full(shape, -1, np.int32)
     return _placeholders[shape]
