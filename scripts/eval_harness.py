@@ -134,7 +134,9 @@ def main(argv=None) -> int:
                     help="a running server's /v1/completions URL serving --model in float32")
     ap.add_argument("--served-model-name", default=SERVED_NAME)
     ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--server-args", default="--max-model-len 512 --max-num-seqs 16",
+    ap.add_argument("--server-args", default="--max-model-len 256 --max-num-seqs 8 "
+                    "--max-num-batched-tokens 256 --token-buckets 16,256 --request-buckets 8 "
+                    "--page-buckets 16",
                     help="extra `xlaserve serve` flags when this script starts the server")
     ap.add_argument("--limit", type=int, default=None, help="documents per task")
     ap.add_argument("--batch-size", type=int, default=8, help="prompts per request")
