@@ -50,7 +50,7 @@ COMMON_BAD = [  # (field, value, param): rejected by both endpoints
     ("temperature", -0.1, "temperature"), ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"),
     ("top_k", -2, "top_k"), ("top_k", 2.5, "top_k"), ("min_p", 1.5, "min_p"),
     ("n", 0, "n"), ("n", True, "n"), ("n", 1000, "n"), ("seed", "1", "seed"),
-    ("seed", 1.0, "seed"), ("seed", 2 ** 70, "seed"), ("max_tokens", 0, "max_tokens"),
+    ("seed", 1.5, "seed"), ("seed", 2 ** 70, "seed"), ("max_tokens", 0, "max_tokens"),
     ("max_tokens", "10", "max_tokens"), ("max_tokens", False, "max_tokens"),
     ("stop", 5, "stop"), ("stop", [""], "stop"), ("stop", ["a"] * 17, "stop"),
     ("stop", ["a", 1], "stop"), ("stop_token_ids", [1, -1], "stop_token_ids"),
@@ -112,7 +112,13 @@ def test_bad_completion_request(fields, param):
     ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
     ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages"),  # unhashable role
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_chat_request(fields, param):
@@ -141,6 +147,14 @@ def test_echo_and_prompt_logprobs_map_to_sampling_params():
     assert (wide.params.logprobs, wide.params.prompt_logprobs) == (30, 40)
     assert _err(p.parse_completion_request, {"prompt": "x", "logprobs": 3}, 128, 2).param == \
         "logprobs"
+
+
+def test_integral_numbers_are_integers_as_json_schema_counts_them():
+    req = _completion(prompt=[5.0, 6], n=2.0, seed=7.0, stop_token_ids=[3.0], max_tokens=4.0)
+    assert req.prompts == [[5, 6]] and all(type(t) is int for t in req.prompts[0])
+    assert (req.params.n, req.params.seed, req.params.stop_token_ids, req.params.max_tokens) \
+        == (2, 7, [3], 4)
+    assert type(req.params.n) is int and type(req.params.seed) is int
 
 
 def test_body_must_be_an_object():
@@ -265,12 +279,15 @@ class FakeEngine:
 
     def __init__(self, tokenizer, max_model_len=64):
         self.tokenizer, self.max_model_len, self.ready = tokenizer, max_model_len, True
+        self.vocab_size = len(tokenizer)
         self.max_logprobs = 20
         self.requests, self.aborted, self.finished = [], [], []
         self.stats_ = Stats()
         self.block_after = None  # stop producing after this many tokens, until aborted
         self.fail_after = None  # yield an engine error after this many tokens
         self.aborted_event = asyncio.Event()
+        self.hold = None  # (entered, gate) events: a request waits for the gate before its output
+        self.script = None  # token ids every request outputs instead of its reversed prompt
 
     def stats(self):
         return self.stats_
@@ -278,53 +295,79 @@ class FakeEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
-    async def generate(self, prompt_token_ids, params, request_id):
+    def generate(self, prompt_token_ids, params, request_id, queue):
+        """Like AsyncEngine.generate: (request_id, output or exception) items into queue."""
+        stream = FakeStream(self, request_id)
+        stream.task = asyncio.create_task(self._produce(prompt_token_ids, params, request_id,
+                                                        queue, stream))
+        return stream
+
+    async def _produce(self, prompt_token_ids, params, request_id, queue, stream):
         if params.max_tokens > 1000:
-            raise ValueError("the scheduler refuses this request")
+            queue.put_nowait((request_id, ValueError("the scheduler refuses this request")))
+            return
         self.requests.append((request_id, list(prompt_token_ids), params))
-        out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
+        if self.hold is not None:
+            self.hold[0].set()
+            await self.hold[1].wait()
+        out_ids = list(self.script if self.script is not None
+                       else reversed(prompt_token_ids))[:params.max_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output)
-        done, ids, logprobs = False, [], []
-        try:
-            for k, tid in enumerate(out_ids):
-                if k == self.block_after:
-                    await asyncio.Event().wait()
-                await asyncio.sleep(0)
-                if k == self.fail_after:
-                    done = True
-                    yield RequestOutput(request_id, prompt_token_ids, ids, finished=True,
-                                        finish_reason="error", error="device on fire")
-                    return
-                ids.append(tid)
-                new_text, stop = detok.add([tid])
-                last = stop is not None or k == len(out_ids) - 1
-                if last and stop is None:
-                    new_text += detok.flush()
-                prompt_lps = None
-                if params.prompt_logprobs is not None and k == 0:  # i-th token: -i / 10
-                    prompt_lps = [None] + [
-                        TokenLogprob(t, -i / 10, [(t, -i / 10), (0, -5.0)][:params.prompt_logprobs],
-                                     rank=1) for i, t in enumerate(prompt_token_ids[1:], 1)]
-                new_lp = None
-                if params.logprobs is not None:
-                    top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
-                    new_lp = [TokenLogprob(tid, -0.5, top)]
-                    logprobs += new_lp
-                done = last
-                yield RequestOutput(request_id, prompt_token_ids, list(ids), detok.text,
-                                    [tid], new_text, logprobs if new_lp else None, new_lp,
-                                    finished=last, finish_reason=("stop" if stop else "length")
-                                    if last else None, stop_reason=stop,
-                                    prompt_logprobs=prompt_lps)
-                if last:
-                    return
-        finally:
-            if done:
+        for k, tid in enumerate(out_ids):
+            if k == self.block_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(0)
+            if k == self.fail_after:
+                stream.ended = True
+                queue.put_nowait((request_id, RequestOutput(
+                    request_id, prompt_token_ids, finished=True, finish_reason="error",
+                    error="device on fire")))
+                return
+            new_text, stop = detok.add([tid])
+            last = stop is not None or k == len(out_ids) - 1
+            if last and stop is None:
+                new_text += detok.flush()
+            prompt_lps = None
+            if params.prompt_logprobs is not None and k == 0:  # i-th token: -i / 10
+                prompt_lps = [None] + [
+                    TokenLogprob(t, -i / 10, [(t, -i / 10), (0, -5.0)][:params.prompt_logprobs],
+                                 rank=1) for i, t in enumerate(prompt_token_ids[1:], 1)]
+            new_lp = None
+            if params.logprobs is not None:
+                top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
+                new_lp = [TokenLogprob(tid, -0.5, top)]
+            if last:
+                stream.ended = True
                 self.finished.append(request_id)
-            else:
-                self.abort(request_id)
-                self.aborted_event.set()
+            queue.put_nowait((request_id, RequestOutput(
+                request_id, prompt_token_ids, [tid], new_text, new_lp, finished=last,
+                # A scripted output ends as if the model wrote EOS after it.
+                finish_reason=("stop" if stop or self.script is not None else "length")
+                if last else None,
+                stop_reason=stop, prompt_logprobs=prompt_lps)))
+            if last:
+                return
+
+
+class FakeStream:
+    """What FakeEngine.generate returns: closing it before its end aborts the request."""
+
+    def __init__(self, engine, request_id):
+        self.engine, self.request_id, self.task, self.ended = engine, request_id, None, False
+        self.closed = False
+
+    def take(self, item):
+        pass
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.task.cancel()
+        if not self.ended:
+            self.engine.abort(self.request_id)
+            self.engine.aborted_event.set()
 
 
 @pytest.fixture
@@ -802,14 +845,7 @@ def test_sigterm_lets_in_flight_requests_finish(engine, tokenizer):
     async def go():
         port = _free_port()
         entered, gate = asyncio.Event(), asyncio.Event()
-        real_generate = engine.generate
-
-        async def held_generate(ids, params, rid):
-            entered.set()
-            await gate.wait()  # hold the request until SIGTERM has been delivered
-            async for out in real_generate(ids, params, rid):
-                yield out
-        engine.generate = held_generate
+        engine.hold = (entered, gate)  # hold the request until SIGTERM has been delivered
         server = asyncio.create_task(run_server(engine, "127.0.0.1", port,
                                                 served_model_name=MODEL, grace_period_s=10))
         url = f"http://127.0.0.1:{port}"
@@ -848,7 +884,7 @@ async def _wait_healthy(session, url):
 
 
 def test_token_texts(tokenizer):
-    from serving.openai.sse import TokenTexts
+    from serving.openai.token_texts import TokenTexts
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode("héllo 你好 🙂", add_special_tokens=False)
     raw = b"".join(bytes(texts.get(i)[1]) for i in ids)

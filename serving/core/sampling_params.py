@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from serving.core.structured_outputs import StructuredOutputsParams
+
 # OpenAI allows at most this many logit_bias entries and at most 20 top logprobs; the
 # engine's max_logprobs (--max-logprobs) moves the cap on top logprobs, 20 by default.
 MAX_LOGIT_BIAS = 300
@@ -29,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -40,12 +40,18 @@ class EngineStats:
 
 class RequestStream:
     """One request's outputs, as an async iterator; the last has finished=True. Closing it
-    early (`aclose()`) aborts the request and frees its pages; closing twice is harmless."""
+    early (`close()`/`aclose()`) aborts the request and frees its pages; closing twice is
+    harmless.
 
-    def __init__(self, engine: "AsyncEngine", request_id: str):
+    The engine thread puts (request_id, output or exception) items on `queue`. Several
+    streams may share one queue (one HTTP response's choices): their reader then reads the
+    queue itself and hands each item to its stream's `take()` instead of iterating."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str,
+                 queue: asyncio.Queue | None = None):
         self._engine, self.request_id = engine, request_id
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -54,13 +60,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        _, item = await self.queue.get()
+        self.take(item)
         if isinstance(item, Exception):
-            self._close(finished=True)
             raise item
-        if item.finished:
-            self._close(finished=True)
         return item
+
+    def take(self, item) -> None:
+        """Notes one item read from the queue: the stream ends with a final output or an
+        exception."""
+        if isinstance(item, Exception) or item.finished:
+            self._close(finished=True)
 
     def close(self) -> None:
         self._close(finished=False)
@@ -80,6 +90,7 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.max_logprobs = engine.config.max_logprobs
         self.ready = False
         self.dead: str | None = None  # why the engine died, once it has
@@ -106,10 +117,11 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> RequestStream:
+                 request_id: str, queue: asyncio.Queue | None = None) -> RequestStream:
         """Submits the request now (so admission control sees it at once) and returns its
-        output stream. Raises EngineDeadError if the engine has died."""
-        stream = RequestStream(self, request_id)
+        output stream, delivering into `queue` if given. Raises EngineDeadError if the
+        engine has died."""
+        stream = RequestStream(self, request_id, queue)
         with self._wake:
             if self.dead is not None:
                 raise EngineDeadError(f"the engine is dead: {self.dead}")
@@ -150,7 +162,7 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (request_id, item))
 
     def _loop(self) -> None:
         try:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from serving.core.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
-from serving.core.outputs import RequestOutput
+from serving.core.outputs import CompletionOutput
 from serving.core.sampling_params import SamplingParams
 
 
@@ -13,7 +13,7 @@ from serving.core.sampling_params import SamplingParams
 class CompletionResult:
     """The result for one prompt: the first sample's fields, and all n samples in `outputs`."""
     prompt_token_ids: list[int]
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -58,7 +58,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                result = CompletionResult(tokens, [None] * p.n)
+                logprobs = [] if p.logprobs is not None else None
+                result = CompletionResult(tokens, [CompletionOutput(logprobs=logprobs)
+                                                   for _ in range(p.n)])
                 for i, sample_params in enumerate(_per_sample(p)):
                     self._counter += 1
                     request_id = f"offline-{self._counter}"
@@ -71,15 +73,10 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        prompt_logprobs = {}  # on a request's first update; kept for its final output
         while self.engine.has_unfinished:
             for out in self.engine.step():
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = out.prompt_logprobs
-                if out.finished:
-                    result, i = ids[out.request_id]
-                    out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
-                    result.outputs[i] = out
+                result, i = ids[out.request_id]
+                result.outputs[i].add(out)
         return results
 
 

@@ -28,7 +28,8 @@ from serving.engine.faults import Faults
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
 from serving.core.outputs import RequestOutput, TokenLogprob
-from serving.core.request import Request, RequestStatus
+from serving.core.request import Request
+from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -40,9 +41,7 @@ log = logging.getLogger("xlaserve")
 class _State:
     request: Request
     detokenizer: IncrementalDetokenizer | None
-    logprobs: list[TokenLogprob] | None
-    num_emitted: int = 0
-    text: str = ""
+    num_emitted: int = 0  # output tokens already sent
     prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
 
 
@@ -71,6 +70,9 @@ class LLMEngine:
         self.cfg, params = _load_weights(self.model_dir, ec)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
+        self.vocab_size = min(self.cfg.vocab_size, len(self.tokenizer)) if self.tokenizer \
+            else self.cfg.vocab_size
         self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
@@ -113,18 +115,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queues a request; raises ValueError if it can never run."""
-        vocab = self.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"{name} must be at most {self.config.max_logprobs} "
-                                 f"(--max-logprobs), got {k}")
+        check_request_token_ids(prompt_token_ids, params, self.vocab_size)
+        check_logprobs(params, self.config.max_logprobs)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
         detok = self.tokenizer and IncrementalDetokenizer(
@@ -132,8 +124,7 @@ class LLMEngine:
         self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
         prompt_lps = (None if params.prompt_logprobs is None else
                       PromptLogprobsCollector(req.prompt_token_ids, params.prompt_logprobs))
-        self._states[request_id] = _State(req, detok, [] if params.logprobs is not None else None,
-                                          prompt_logprobs=prompt_lps)
+        self._states[request_id] = _State(req, detok, prompt_logprobs=prompt_lps)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -184,9 +175,8 @@ class LLMEngine:
         """Ends one request with an error and frees its pages."""
         st = self._states.pop(request_id)
         self.scheduler.abort(request_id)
-        req = st.request
-        return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             st.text, finished=True, finish_reason="error", error=error)
+        return RequestOutput(request_id, st.request.prompt_token_ids, finished=True,
+                             finish_reason="error", error=error)
 
     def _build(self, out: SchedulerOutput):
         if self.faults:
@@ -241,30 +231,24 @@ class LLMEngine:
         if self.faults:
             self.faults.check("detokenize", [req])
         new_text, stop = st.detokenizer.add(new_ids) if st.detokenizer else ("", None)
-        if stop is not None and not req.is_finished:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        elif stop is not None:
-            # The token that completed the stop string also hit max_tokens (or EOS): the text
-            # ends at the stop string, so report that, as vLLM does.
-            req.status, req.finish_reason, req.stop_reason = (
-                RequestStatus.FINISHED_STOPPED, "stop", stop)
+        if stop is not None:
+            self.scheduler.stop_on_string(req, stop)
         elif req.is_finished and st.detokenizer:
             new_text += st.detokenizer.flush()
-        st.text += new_text
         new_logprobs = None
-        if st.logprobs is not None and new_ids:
-            k = req.sampling_params.logprobs
-            top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-            new_logprobs = [TokenLogprob(new_ids[-1], float(result.logprob[row]), top)]
-            st.logprobs += new_logprobs
+        if (k := req.sampling_params.logprobs) is not None:
+            new_logprobs = []
+            if new_ids:
+                top = list(zip(result.top_ids[row, :k].tolist(),
+                               result.top_logprobs[row, :k].tolist()))
+                new_logprobs.append(TokenLogprob(new_ids[-1], float(result.logprob[row]), top))
         prompt_logprobs = None
         if st.prompt_logprobs is not None:  # the first token: the prefill is done
             prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
         if req.is_finished:
             del self._states[req.request_id]
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             st.text, new_ids, new_text, st.logprobs, new_logprobs,
-                             req.is_finished, req.finish_reason, req.stop_reason,
+        return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, new_text,
+                             new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
                              queue_time=queue_time, prompt_logprobs=prompt_logprobs)
 
 
