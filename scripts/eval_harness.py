@@ -62,6 +62,14 @@ metric_list:
 TASKS = ("xlaserve_mc", "xlaserve_gen")
 
 
+def demo_hf_folder() -> Path:
+    """The demo model as a Hugging Face folder (lm-eval's hf model loads that, not our
+    checkpoint), where `xlaserve serve` keeps it."""
+    from model.demo import fetch_demo_model
+    from serving.core.config import default_cache_root
+    return fetch_demo_model(default_cache_root() / "demo" / "SmolLM2-135M-Instruct-hf")
+
+
 def write_tasks(folder: Path) -> Path:
     (folder / "xlaserve_mc.yaml").write_text(MC_TASK.format(data=DATA))
     (folder / "xlaserve_gen.yaml").write_text(GEN_TASK.format(data=DATA))
@@ -147,8 +155,7 @@ def main(argv=None) -> int:
         import lm_eval  # noqa: F401
     except ImportError:
         raise SystemExit("lm-eval is not installed: pip install 'lm-eval[api]==0.4.13'")
-    from serving.engine.sizing import resolve_model_dir
-    model_dir = str(resolve_model_dir(args.model))
+    model_dir = args.model or str(demo_hf_folder())
     base_url = args.base_url or f"http://127.0.0.1:{args.port}/v1/completions"
     server = None if args.base_url else start_server(model_dir, args.port,
                                                       args.server_args.split())

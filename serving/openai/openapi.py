@@ -4,8 +4,8 @@ request body may hold (the rules `serving.openai.protocol` enforces) and the err
 Like every route but /health, /openapi.json needs the API key when the server has one.
 Unknown fields are ignored, as OpenAI and vLLM do, so objects allow additional properties.
 Every optional field also accepts null, which means "the default". Rules that tie two
-fields together (stream_options needs stream, top_logprobs needs logprobs, the context
-length) are in the descriptions.
+fields together (stream_options needs stream, top_logprobs needs logprobs, prompt_logprobs
+excludes stream, max_tokens 0 needs echo, the context length) are in the descriptions.
 """
 from __future__ import annotations
 
@@ -107,6 +107,11 @@ def _stream_rule() -> dict:
                      {"required": ["stream"], "properties": {"stream": {"const": True}}})
 
 
+def _no_stream_rule(field: str) -> dict:
+    return _requires(field, {"type": "integer"}, {"not": {
+        "required": ["stream"], "properties": {"stream": {"const": True}}}})
+
+
 def _tools() -> dict:
     function = {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
@@ -158,7 +163,10 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int,
                                   "prompt's tokens (the first null), then the completion's"),
         "prompt_logprobs": prompt_logprobs,
         "suffix": {"type": "null", "description": "not supported"},
-        **sampling}, "allOf": [_stream_rule()]}
+        **sampling}, "allOf": [
+        _stream_rule(), _no_stream_rule("prompt_logprobs"),
+        _requires("max_tokens", {"const": 0},
+                  {"required": ["echo"], "properties": {"echo": {"const": True}}})]}
     chat = {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "items": _message(), "minItems": 1},
         "max_tokens": {**max_tokens, "description": "default: what the context leaves"},
@@ -171,7 +179,7 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int,
         "response_format": _nullable({"type": "object", "required": ["type"],
                                       "properties": {"type": {"const": "text"}}}),
         **sampling}, "allOf": [
-        _stream_rule(),
+        _stream_rule(), _no_stream_rule("prompt_logprobs"),
         _requires("top_logprobs", {"type": "integer"},
                   {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
         _requires("tool_choice", {"not": {"anyOf": [{"type": "null"}, {"const": "none"}]}},
