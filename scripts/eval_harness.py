@@ -58,6 +58,7 @@ metric_list:
   - metric: exact_match
     ignore_case: true
     ignore_punctuation: true
+    regexes_to_ignore: ['^\\s+', '\\s+$']
 """
 TASKS = ("xlaserve_mc", "xlaserve_gen")
 

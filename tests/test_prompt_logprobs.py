@@ -179,3 +179,42 @@ def test_demo_model_prompt_logprobs_match_transformers(demo_checkpoint, demo_mod
     # 30 layers in float32 agree with transformers to ~1e-4 (test_engine).
     check_prompt_logprobs(out.prompt_logprobs, prompt, want, 3, tol=1e-3)
     check_output_logprobs(out, prompt, want, tol=1e-3)
+
+
+@pytest.mark.slow
+def test_lm_eval_requests_through_the_server(shared_server, demo_model_dir):
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood: token-id
+    prompts, several per request, echo, logprobs 1, max_tokens 1 (and 0, as some clients
+    send); the prompt's token_logprobs are transformers' and its greediness test holds. The
+    server's 64-token budget chunks the longer prompt."""
+    import transformers
+    from tests.server_util import MODEL, post
+    hf = transformers.AutoModelForCausalLM.from_pretrained(demo_model_dir,
+                                                           dtype=torch.float32).eval()
+    tok = shared_server.tokenizer
+    contexts = ["Question: What is the capital of France?\nAnswer: Paris",
+                "A page of the KV cache holds sixteen tokens of keys and values. " * 4
+                + "How many tokens does a page hold? Sixteen"]
+    prompts = [tok.encode(c) for c in contexts]
+    assert len(prompts[1]) > 64
+    for max_tokens in (1, 0):
+        status, body = post(shared_server.port, "/v1/completions", {
+            "model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1,
+            "max_tokens": max_tokens, "temperature": 0, "seed": 1234})
+        assert status == 200, body
+        choices = sorted(body["choices"], key=lambda c: c["index"])
+        for ids, choice in zip(prompts, choices):
+            lp = choice["logprobs"]
+            assert len(lp["token_logprobs"]) == len(ids) + max_tokens
+            assert choice["text"].startswith(tok.decode(ids))
+            want = reference(hf, ids)
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for i in range(1, len(ids)):
+                got, top = lp["token_logprobs"][i], lp["top_logprobs"][i]
+                row = want[i - 1]
+                assert abs(got - row[ids[i]]) < 1e-3, (i, got, row[ids[i]])
+                margin = np.sort(row)[-1] - np.sort(row)[-2]
+                if margin > 1e-3:  # lm-eval's is_greedy: the token's logprob is the top one
+                    assert (got == max(top.values())) == (row.argmax() == ids[i])
+        assert body["usage"]["completion_tokens"] == 2 * max_tokens
+    shared_server.wait_idle()
