@@ -23,16 +23,11 @@ class PromptLogprobsCollector:
         self.prompt = prompt_token_ids
         self.num_top = num_top
         self.entries: list[TokenLogprob | None] = [None] * len(prompt_token_ids)
-        self.num_filled = 0  # positions 1 .. num_filled are known
-
-    @property
-    def complete(self) -> bool:
-        return self.num_filled >= len(self.prompt) - 1
 
     def add(self, s: ScheduledRequest, row_start: int, out) -> None:
         """out: the step's fetched prompt arrays (numpy; fields as
-        serving.engine.prompt_logprobs.PromptOutput); row_start: where
-        this request's tokens begin in the step."""
+        serving.engine.prompt_logprobs.PromptOutput); row_start: where this request's tokens
+        begin in the step."""
         m = min(s.num_new_tokens, len(self.prompt) - 1 - s.start)
         k = self.num_top
         rows = slice(row_start, row_start + m)
@@ -42,4 +37,3 @@ class PromptLogprobsCollector:
             pos = s.start + 1 + j
             self.entries[pos] = TokenLogprob(self.prompt[pos], lps[j], list(zip(ids[j], vals[j])),
                                              rank=ranks[j])
-        self.num_filled = max(self.num_filled, s.start + m)
