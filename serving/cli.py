@@ -63,6 +63,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         f"{default_cache_root() / 'jax-cache'}); '' turns it off")
     p.add_argument("--seed", type=int, default=0,
                    help="draws the seeds of requests that bring none")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top logprobs a request may ask per token (logprobs, "
+                        "prompt_logprobs); each compiled step computes this many")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -117,7 +120,7 @@ def _engine_config(args) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                  seed=args.seed, token_buckets=args.token_buckets,
+                  seed=args.seed, max_logprobs=args.max_logprobs, token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir

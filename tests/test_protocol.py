@@ -81,7 +81,10 @@ def test_bad_field_rejected(parse, field, value, param):
     ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [1, -3]}, "prompt"), ({"prompt": [True]}, "prompt"),
     ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"echo": "yes"}, "echo"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": "yes"}, "echo"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"suffix": "x"}, "suffix"), ({"prompt": ["a"] * 200, "n": 2}, "n"),
     ({"prompt": list(range(100)), "max_tokens": 29}, "max_tokens"),
     ({"prompt": list(range(128))}, "prompt"),
@@ -106,6 +109,8 @@ def test_bad_completion_request(fields, param):
     ({"messages": ["hi"]}, "messages"),
     ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+    ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages"),  # unhashable role
     ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
@@ -120,6 +125,28 @@ def test_bad_chat_request(fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
     err = _err(p.parse_chat_request, body)
     assert (err.status, err.param) == (400, param)
+
+
+def test_echo_and_prompt_logprobs_map_to_sampling_params():
+    req = _completion(prompt=[[5, 6, 7]], echo=True, logprobs=2, max_tokens=0)
+    # The prompt's entries need the same top k; echo without generation samples one token
+    # that the response drops.
+    assert (req.echo, req.echo_only, req.params.max_tokens) == (True, True, 1)
+    assert (req.params.logprobs, req.params.prompt_logprobs, req.prompt_logprobs) == (2, 2, None)
+    req = _completion(echo=True, logprobs=1, prompt_logprobs=4, max_tokens=3)
+    assert (req.echo_only, req.params.max_tokens, req.params.prompt_logprobs) == (False, 3, 4)
+    req = _completion(prompt_logprobs=0)
+    assert (req.params.logprobs, req.params.prompt_logprobs, req.prompt_logprobs) == (None, 0, 0)
+    assert _completion(echo=True).params.prompt_logprobs is None  # echo alone scores nothing
+    chat = p.parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
+                                 "prompt_logprobs": 3})
+    assert (chat.prompt_logprobs, chat.params.prompt_logprobs) == (3, 3)
+    # --max-logprobs moves the cap on all three.
+    wide = p.parse_completion_request({"prompt": "x", "logprobs": 30, "prompt_logprobs": 40,
+                                       "echo": True}, 128, max_logprobs=50)
+    assert (wide.params.logprobs, wide.params.prompt_logprobs) == (30, 40)
+    assert _err(p.parse_completion_request, {"prompt": "x", "logprobs": 3}, 128, 2).param == \
+        "logprobs"
 
 
 def test_integral_numbers_are_integers_as_json_schema_counts_them():
@@ -253,6 +280,7 @@ class FakeEngine:
     def __init__(self, tokenizer, max_model_len=64):
         self.tokenizer, self.max_model_len, self.ready = tokenizer, max_model_len, True
         self.vocab_size = len(tokenizer)
+        self.max_logprobs = 20
         self.requests, self.aborted, self.finished = [], [], []
         self.stats_ = Stats()
         self.block_after = None  # stop producing after this many tokens, until aborted
@@ -300,6 +328,11 @@ class FakeEngine:
             last = stop is not None or k == len(out_ids) - 1
             if last and stop is None:
                 new_text += detok.flush()
+            prompt_lps = None
+            if params.prompt_logprobs is not None and k == 0:  # i-th token: -i / 10
+                prompt_lps = [None] + [
+                    TokenLogprob(t, -i / 10, [(t, -i / 10), (0, -5.0)][:params.prompt_logprobs],
+                                 rank=1) for i, t in enumerate(prompt_token_ids[1:], 1)]
             new_lp = None
             if params.logprobs is not None:
                 top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
@@ -312,7 +345,7 @@ class FakeEngine:
                 # A scripted output ends as if the model wrote EOS after it.
                 finish_reason=("stop" if stop or self.script is not None else "length")
                 if last else None,
-                stop_reason=stop)))
+                stop_reason=stop, prompt_logprobs=prompt_lps)))
             if last:
                 return
 
@@ -410,6 +443,106 @@ def test_completions_token_prompt_echo_and_stop(engine, tokenizer):
             assert choice["text"] == full[:full.index(stop)]
             assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     run(go())
+
+
+def test_completions_echo_with_logprobs_covers_prompt_then_completion(engine, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, token-id prompts in
+    one batch; then max_tokens 0 (the prompt alone) and the stream."""
+    texts = sse_texts(tokenizer)
+    prompts = [tokenizer.encode("the quick brown fox"), tokenizer.encode("hello world")]
+
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={
+                "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+                "temperature": 0})
+            body = await r.json()
+            assert [c["index"] for c in body["choices"]] == [0, 1]
+            for ids, choice in zip(prompts, body["choices"]):
+                lp = choice["logprobs"]
+                out = list(reversed(ids))[:1]
+                assert choice["text"] == tokenizer.decode(ids) + tokenizer.decode(out)
+                assert lp["tokens"] == [texts.get(t)[0] for t in ids + out]
+                # The fake's i-th prompt token has logprob -i/10; its completion token -0.5.
+                assert lp["token_logprobs"] == [None] + [-i / 10 for i in range(1, len(ids))] + [-0.5]
+                assert lp["top_logprobs"][0] is None
+                assert lp["top_logprobs"][1] == {texts.get(ids[1])[0]: -0.1}
+                lengths = [len(t) for t in lp["tokens"]]
+                want = [sum(lengths[:i]) for i in range(len(ids))]
+                want += [len(tokenizer.decode(ids))]
+                assert lp["text_offset"] == want
+                assert "prompt_logprobs" not in choice  # only when asked for by name
+            assert body["usage"]["completion_tokens"] == 2
+            # max_tokens 0: the prompt alone, its logprobs, nothing generated.
+            r = await client.post("/v1/completions", json={
+                "prompt": prompts[0], "echo": True, "logprobs": 0, "max_tokens": 0})
+            body = await r.json()
+            choice = body["choices"][0]
+            assert choice["text"] == tokenizer.decode(prompts[0])
+            assert len(choice["logprobs"]["tokens"]) == len(prompts[0])
+            assert choice["logprobs"]["top_logprobs"][1] == {}
+            assert body["usage"]["completion_tokens"] == 0
+            assert engine.requests[-1][2].max_tokens == 1  # one token sampled, then dropped
+            # Streaming: the echo arrives with the first update, which carries the prompt's.
+            r = await client.post("/v1/completions", json={
+                "prompt": prompts[1], "echo": True, "logprobs": 1, "max_tokens": 3,
+                "stream": True})
+            chunks = [e["choices"][0] for e in await sse_events(r)]
+            out = list(reversed(prompts[1]))[:3]
+            assert "".join(c["text"] for c in chunks) == tokenizer.decode(prompts[1]) + \
+                tokenizer.decode(out)
+            tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            assert tokens == [texts.get(t)[0] for t in prompts[1] + out]
+            first = chunks[0]["logprobs"]
+            assert first["token_logprobs"][0] is None and first["text_offset"][0] == 0
+    run(go())
+
+
+def test_prompt_logprobs_field_as_vllm_returns_it(engine, tokenizer):
+    texts = sse_texts(tokenizer)
+    ids = tokenizer.encode("the quick brown fox")
+
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2,
+                                                           "prompt_logprobs": 2})
+            choice = (await r.json())["choices"][0]
+            assert choice["logprobs"] is None  # no completion logprobs were asked
+            pl = choice["prompt_logprobs"]
+            assert len(pl) == len(ids) and pl[0] is None
+            assert pl[1] == {str(ids[1]): {"logprob": -0.1, "rank": 1,
+                                           "decoded_token": texts.get(ids[1])[0]},
+                             "0": {"logprob": -5.0, "rank": 2, "decoded_token": texts.get(0)[0]}}
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "prompt_logprobs": 0})
+            body = await r.json()
+            chat_ids = engine.requests[-1][1]
+            assert [None if e is None else list(e) for e in body["prompt_logprobs"]] == \
+                [None] + [[str(t)] for t in chat_ids[1:]]
+            assert body["choices"][0]["logprobs"] is None
+    run(go())
+
+
+def test_tokenizer_info_serves_lm_eval_remote_tokenizer(engine, tokenizer):
+    """lm-evaluation-harness uses a server's tokenizer when GET /tokenizer_info has
+    eos_token and POST /tokenize answers {"tokens": [...]}; it decodes with /detokenize."""
+    async def go():
+        async with serve(engine) as client:
+            info = await (await client.get("/tokenizer_info")).json()
+            assert info["eos_token"] == tokenizer.eos_token
+            assert info["bos_token"] == tokenizer.bos_token
+            r = await client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False})
+            tokens = (await r.json())["tokens"]
+            assert tokens == tokenizer.encode("test", add_special_tokens=False)
+            r = await client.post("/detokenize", json={"tokens": tokens})
+            assert (await r.json())["prompt"] == "test"
+    run(go())
+
+
+def sse_texts(tokenizer):
+    from serving.openai.sse import TokenTexts
+    return TokenTexts(tokenizer)
 
 
 def test_completions_stream_with_usage_and_logprobs(engine, tokenizer):

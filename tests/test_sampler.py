@@ -233,7 +233,7 @@ def test_branch_mode_by_backend_and_both_modes_give_the_same_outputs():
     logprobs for every combination of stages a step may need (and none)."""
     from serving.engine.sampler import branch_mode
     assert branch_mode() == ("cond" if jax.default_backend() == "cpu" else "select")
-    both = {mode: jax.jit(lambda l, s, mode=mode: sample(l, s, mode)) for mode in ("cond", "select")}
+    both = {mode: jax.jit(lambda l, s, mode=mode: sample(l, s, mode=mode)) for mode in ("cond", "select")}
     logits = jnp.asarray(random_logits(R, seed=5))
     history = np.tile(np.arange(4), (R, 1))
     bias = (np.tile([[3, 7, -1]], (R, 1)), np.tile([[5.0, -5.0, 0.0]], (R, 1)))
@@ -250,7 +250,7 @@ def test_branch_mode_by_backend_and_both_modes_give_the_same_outputs():
         np.testing.assert_allclose(cond.logprob, select.logprob, rtol=1e-6, err_msg=str(i))
         np.testing.assert_allclose(cond.top_logprobs, select.top_logprobs, rtol=1e-6)
     with pytest.raises(ValueError, match="branch mode"):
-        sample(logits, cases[0], "maybe")
+        sample(logits, cases[0], mode="maybe")
 
 
 def test_select_mode_lowers_without_conditionals():

@@ -42,6 +42,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(  # None or "": no persistent cache
         default_factory=lambda: str(default_cache_root() / "jax-cache"))
     seed: int = 0  # draws the seeds of requests that bring none
+    max_logprobs: int = 20  # cap on logprobs and prompt_logprobs per token (vLLM's name)
     progress: bool = True
 
     @classmethod

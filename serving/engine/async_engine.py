@@ -91,6 +91,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.max_logprobs = engine.config.max_logprobs
         self.ready = False
         self.dead: str | None = None  # why the engine died, once it has
         self.on_dead: list = []  # callables, run on the engine thread when it dies

@@ -11,7 +11,8 @@ import numpy as np
 
 from serving.core.buckets import Buckets
 from serving.core.sampling_params import MAX_LOGIT_BIAS
-from serving.core.scheduler import SchedulerOutput
+from serving.core.scheduler import ScheduledRequest, SchedulerOutput
+from serving.core.prompt_logprobs import wants_prompt_logprobs
 
 SINK_SLOT = 0  # padding tokens write to slot 0 of the reserved sink page 0
 
@@ -22,6 +23,9 @@ class StepArrays:
     batch: dict[str, np.ndarray]
     sampling: dict[str, np.ndarray]
     wants_logprobs: bool
+    # i32[T]: the prompt token each position scores (-1: none), when some row asks for
+    # prompt logprobs (serving.engine.prompt_logprobs); else None
+    prompt_targets: np.ndarray | None = None
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -65,7 +69,8 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
                  req_indices=req_indices, page_table=page_table, logits_indices=logits_indices)
     sampling = _sampling_arrays(out, R, P * page_size)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
-    return StepArrays((T, R, P), batch, sampling, wants)
+    targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
+    return StepArrays((T, R, P), batch, sampling, wants, targets)
 
 
 def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
@@ -141,3 +146,17 @@ def _bias(params, R: int) -> tuple[np.ndarray, np.ndarray]:
         for j, (token, value) in enumerate(p.logit_bias.items()):
             ids[i, j], values[i, j] = token, value
     return ids, values
+
+
+def prompt_targets(sched: list[ScheduledRequest], T: int) -> np.ndarray:
+    """-> i32[T]: for each token of the step, the prompt token after it when its request
+    asks for prompt logprobs, else -1."""
+    targets = np.full(T, -1, np.int32)
+    t = 0
+    for s in sched:
+        if wants_prompt_logprobs(s):
+            prompt = s.request.prompt_token_ids
+            m = min(s.num_new_tokens, len(prompt) - 1 - s.start)
+            targets[t:t + m] = prompt[s.start + 1:s.start + 1 + m]
+        t += s.num_new_tokens
+    return targets

@@ -31,6 +31,10 @@ class CompletionResult:
     def logprobs(self):
         return self.outputs[0].logprobs
 
+    @property
+    def prompt_logprobs(self):
+        return self.outputs[0].prompt_logprobs
+
 
 class LLM:
     def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_options):

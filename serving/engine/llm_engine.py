@@ -26,9 +26,10 @@ from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
+from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
-from serving.core.request_checks import check_request_token_ids
+from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import ModelRunner, StepResult, enable_compilation_cache, gpu_memory_limit
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -41,6 +42,7 @@ class _State:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     num_emitted: int = 0  # output tokens already sent
+    prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
 
 
 @dataclass
@@ -62,6 +64,8 @@ class LLMEngine:
                              + ", ".join(KV_CACHE_DTYPES))
         if ec.quantize:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
+        if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
         on_gpu = jax.default_backend() == "gpu"
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
@@ -79,7 +83,8 @@ class LLMEngine:
         # KV cache is sized and allocated.
         self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
-                                  kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True)
+                                  kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
+                                  max_logprobs=ec.max_logprobs)
         del params
         self.memory_plan = None
         limit = gpu_memory_limit()
@@ -130,12 +135,15 @@ class LLMEngine:
                     params: SamplingParams) -> None:
         """Queues a request; raises ValueError if it can never run."""
         check_request_token_ids(prompt_token_ids, params, self.vocab_size)
+        check_logprobs(params, self.config.max_logprobs)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
         detok = self.tokenizer and IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
         self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
-        self._states[request_id] = _State(req, detok)
+        prompt_lps = (None if params.prompt_logprobs is None else
+                      PromptLogprobsCollector(req.prompt_token_ids, params.prompt_logprobs))
+        self._states[request_id] = _State(req, detok, prompt_logprobs=prompt_lps)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -161,11 +169,21 @@ class LLMEngine:
         handle = self.runner.dispatch(arrays)
         outputs = failed + self._emit_pending()
         result = self.runner.fetch(handle)
+        if result.prompt is not None:
+            self._collect_prompt_logprobs(out, result)
         sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
         changed = self.scheduler.update(out, sampled)
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
+
+    def _collect_prompt_logprobs(self, out: SchedulerOutput, result: StepResult) -> None:
+        row_start = 0
+        for s in out.scheduled:
+            st = self._states.get(s.request.request_id)
+            if st is not None and st.prompt_logprobs is not None and wants_prompt_logprobs(s):
+                st.prompt_logprobs.add(s, row_start, result.prompt)
+            row_start += s.num_new_tokens
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
@@ -243,11 +261,14 @@ class LLMEngine:
                 top = list(zip(result.top_ids[row, :k].tolist(),
                                result.top_logprobs[row, :k].tolist()))
                 new_logprobs.append(TokenLogprob(new_ids[-1], float(result.logprob[row]), top))
+        prompt_logprobs = None
+        if st.prompt_logprobs is not None:  # the first token: the prefill is done
+            prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
         if req.is_finished:
             del self._states[req.request_id]
         return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, new_text,
                              new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
-                             queue_time=queue_time)
+                             queue_time=queue_time, prompt_logprobs=prompt_logprobs)
 
 
 def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None = None):

@@ -17,17 +17,22 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
-from model.transformer import forward
+from model.transformer import compute_logits, forward_hidden
 from serving.engine.input_prep import StepArrays
-from serving.engine.sampler import SampleOutput, SamplingInputs, sample
+from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
+                                            prompt_logprobs)
+from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample
 
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, *, layout, cfg: ModelConfig, backend: str):
+def _step(params, cache, buffers, *, layout, cfg: ModelConfig, backend: str, num_top: int):
+    """-> (sampled tokens, the tokens' hidden states in blocks for prompt logprobs, cache)."""
     batch, sampling = _unpack(buffers, layout)
-    logits, cache = forward(params, cache, Batch(**batch), cfg, backend)
-    return sample(logits, SamplingInputs(**sampling)), cache
+    batch = Batch(**batch)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
+    logits = compute_logits(params, hidden[batch.logits_indices], cfg)
+    return sample(logits, SamplingInputs(**sampling), num_top), hidden_blocks(hidden), cache
 
 
 # A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
@@ -64,18 +69,20 @@ def _unpack(buffers, layout):
 class StepResult:
     tokens: np.ndarray  # i32[R]
     logprob: np.ndarray | None = None  # f32[R]
-    top_ids: np.ndarray | None = None  # i32[R, NUM_TOP_LOGPROBS]
+    top_ids: np.ndarray | None = None  # i32[R, K]
     top_logprobs: np.ndarray | None = None
+    prompt: PromptOutput | None = None  # numpy arrays over the step's T tokens, when asked
 
 
 class ModelRunner:
     """num_pages None: the KV cache is allocated later (`allocate_kv_cache`), once the memory
     plan knows what the prepared weights and the largest step leave for it.
-    free_stacked: the stored weight tree is consumed (model/runtime_params.py)."""
+    free_stacked: the stored weight tree is consumed (model/runtime_params.py).
+    max_logprobs: the top logprobs each step computes (the most a request may ask)."""
 
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
-                 free_stacked: bool = False):
+                 free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS):
         self.cfg = cfg
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
@@ -84,9 +91,13 @@ class ModelRunner:
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
         self.backend = attention_backend
-        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
+        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
+                                       num_top=max_logprobs),
                                donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
+        # One program for every bucket: scores BLOCK_ROWS hidden states (prompt logprobs).
+        self._prompt_jitted = jax.jit(partial(prompt_logprobs, cfg=cfg, num_top=max_logprobs))
+        self._prompt_program = None
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         self.cache = KVCache.zeros(self.cfg, num_pages, self.page_size, self.kv_cache_dtype)
@@ -118,12 +129,21 @@ class ModelRunner:
             self.params, self.cache, buffers, layout=layout).compile(), layout)
         return time.perf_counter() - started
 
+    def compile_prompt_logprobs(self) -> float:
+        started = time.perf_counter()
+        hidden = jax.ShapeDtypeStruct((BLOCK_ROWS, self.cfg.hidden_size), self.cfg.dtype)
+        targets = jax.ShapeDtypeStruct((BLOCK_ROWS,), np.int32)
+        self._prompt_program = self._prompt_jitted.lower(self.params, hidden, targets).compile()
+        return time.perf_counter() - started
+
     def warmup(self, examples: list[StepArrays], progress: bool = True,
                workers: int | None = None) -> list[float]:
         """Compiles every shape before serving, `workers` programs at a time (default: one per
-        CPU core; XLA compiles a program on one thread). Returns the seconds each took."""
+        CPU core; XLA compiles a program on one thread), and the prompt-logprobs program.
+        Returns the seconds each step program took."""
         workers = workers or os.cpu_count() or 1
         started = time.perf_counter()
+        prompt_s = self.compile_prompt_logprobs()
         seconds = [0.0] * len(examples)
         bar = tqdm(total=len(examples), desc="warm-up", unit="program", disable=not progress)
         with ThreadPoolExecutor(workers, thread_name_prefix="xlaserve-compile") as pool:
@@ -134,8 +154,9 @@ class ModelRunner:
                 bar.update()
                 bar.set_postfix_str(f"T={shape[0]} R={shape[1]} P={shape[2]} {seconds[i]:.1f}s")
         bar.close()
-        log.info("compiled %d step programs in %.1f s (%d at a time)", len(examples),
-                 time.perf_counter() - started, workers)
+        log.info("compiled %d step programs and the prompt-logprobs one (%.1f s) in %.1f s "
+                 "(%d at a time)", len(examples), prompt_s, time.perf_counter() - started,
+                 workers)
         return seconds
 
     def dispatch(self, arrays: StepArrays):
@@ -147,21 +168,58 @@ class ModelRunner:
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
-        out, self.cache = program(self.params, self.cache, jax.device_put(buffers))
+        out, blocks, self.cache = program(self.params, self.cache, jax.device_put(buffers))
         out.tokens.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
                 a.copy_to_host_async()
-        return out, arrays.wants_logprobs
+        prompt = None
+        if arrays.prompt_targets is not None:
+            prompt = (len(arrays.prompt_targets), self._score_prompt(blocks, arrays.prompt_targets))
+        return out, arrays.wants_logprobs, prompt
+
+    def _score_prompt(self, blocks, targets: np.ndarray) -> list[tuple[int, PromptOutput]]:
+        """Launches the prompt-logprobs program on each block with a row that asks.
+        targets: i32[T] (-1: nothing to score) -> [(block index, its PromptOutput)]."""
+        if self._prompt_program is None:
+            raise RuntimeError("the prompt-logprobs program was not compiled at warm-up")
+        padded = np.full(len(blocks) * BLOCK_ROWS, -1, np.int32)
+        padded[:len(targets)] = targets
+        scored = []
+        for i, block in enumerate(blocks):
+            rows = padded[i * BLOCK_ROWS:(i + 1) * BLOCK_ROWS]
+            if (rows >= 0).any():
+                out = self._prompt_program(self.params, block, rows)
+                for a in jax.tree.leaves(out):
+                    a.copy_to_host_async()
+                scored.append((i, out))
+        return scored
+
+    @staticmethod
+    def _fetch_prompt(prompt) -> PromptOutput | None:
+        """-> numpy PromptOutput over the step's T tokens (rows of unscored blocks are 0)."""
+        if prompt is None:
+            return None
+        T, scored = prompt
+        n = -(-T // BLOCK_ROWS) * BLOCK_ROWS
+        k = scored[0][1].top_ids.shape[1]
+        full = PromptOutput(np.zeros(n, np.float32), np.zeros(n, np.int32),
+                            np.zeros((n, k), np.int32), np.zeros((n, k), np.float32))
+        for i, out in scored:
+            rows = slice(i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS)
+            for name in ("logprob", "rank", "top_ids", "top_logprobs"):
+                getattr(full, name)[rows] = np.asarray(getattr(out, name))
+        return jax.tree.map(lambda a: a[:T], full)
 
     @staticmethod
     def fetch(handle) -> StepResult:
-        out, wants_logprobs = handle
+        out, wants_logprobs, prompt = handle
         out: SampleOutput
+        prompt = ModelRunner._fetch_prompt(prompt)
         if not wants_logprobs:
-            return StepResult(np.asarray(out.tokens))
+            return StepResult(np.asarray(out.tokens), prompt=prompt)
         return StepResult(*(np.asarray(a) for a in (out.tokens, out.logprob, out.top_ids,
-                                                    out.top_logprobs)))
+                                                    out.top_logprobs)), prompt=prompt)
 
 
 def enable_compilation_cache(path: str | None) -> None:

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.argmax_cpu import argmax_rows
 
-NUM_TOP_LOGPROBS = 20  # top logprobs computed when any request asks; each keeps its own count
+# Top logprobs computed when any request asks; each keeps its own count. The engine passes its
+# max_logprobs cap (vLLM's --max-logprobs), whose default this is.
+NUM_TOP_LOGPROBS = 20
 
 
 @jax.tree_util.register_dataclass
@@ -46,8 +48,8 @@ class SamplingInputs:
 class SampleOutput:
     tokens: jax.Array  # i32[R]
     logprob: jax.Array  # f32[R] of the sampled token under the model's distribution
-    top_ids: jax.Array  # i32[R, NUM_TOP_LOGPROBS]
-    top_logprobs: jax.Array  # f32[R, NUM_TOP_LOGPROBS]
+    top_ids: jax.Array  # i32[R, K] K = num_top
+    top_logprobs: jax.Array  # f32[R, K]
 
 
 def apply_penalties(logits, s: SamplingInputs):
@@ -94,9 +96,10 @@ def _gumbel(s: SamplingInputs, shape):
     return jax.vmap(row)(s.seed, s.output_index)
 
 
-def _top_logprobs(logits):
+def top_logprobs(logits, num_top: int):
+    """logits: f32[N, V] -> (logprobs f32[N, V], top ids i32[N, K], their logprobs f32[N, K])."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    vals, ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
+    vals, ids = jax.lax.top_k(logprobs, max(num_top, 1))
     return logprobs, ids.astype(jnp.int32), vals
 
 
@@ -116,7 +119,8 @@ def _when(mode: str, flag, stage, otherwise, *operands):
                         otherwise(*operands))
 
 
-def sample(logits, s: SamplingInputs, mode: str | None = None) -> SampleOutput:
+def sample(logits, s: SamplingInputs, num_top: int = NUM_TOP_LOGPROBS,
+           mode: str | None = None) -> SampleOutput:
     """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
     and output index, so a request samples the same tokens whatever else is in the batch.
     A step of greedy requests asking for nothing else takes the argmax alone (under "cond").
@@ -125,19 +129,19 @@ def sample(logits, s: SamplingInputs, mode: str | None = None) -> SampleOutput:
     if mode not in BRANCH_MODES:
         raise ValueError(f"unknown branch mode {mode!r}; choose one of {BRANCH_MODES}")
     R, _ = logits.shape
+    K = max(num_top, 1)
 
     def plain(raw):
         return SampleOutput(argmax_rows(raw), jnp.zeros((R,), jnp.float32),
-                            jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
-                            jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+                            jnp.zeros((R, K), jnp.int32), jnp.zeros((R, K), jnp.float32))
 
     if mode == "select":  # every stage below selects its own result: no outer branch
-        return _sample_any(logits, s, mode)
+        return _sample_any(logits, s, K, mode)
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
-    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s, mode), plain, logits)
+    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s, K, mode), plain, logits)
 
 
-def _sample_any(logits, s: SamplingInputs, mode: str) -> SampleOutput:
+def _sample_any(logits, s: SamplingInputs, K: int, mode: str) -> SampleOutput:
     R, V = logits.shape
     raw = logits
     unchanged = lambda l, _: l  # noqa: E731
@@ -154,12 +158,12 @@ def _sample_any(logits, s: SamplingInputs, mode: str) -> SampleOutput:
     tokens = jnp.where(s.temperature > 0, drawn, greedy)
 
     def logprob_outputs(raw):
-        logprobs, ids, vals = _top_logprobs(raw)
+        logprobs, ids, vals = top_logprobs(raw, K)
         return jnp.take_along_axis(logprobs, tokens[:, None], 1)[:, 0], ids, vals
 
     def no_logprobs(raw):
-        return (jnp.zeros((R,), jnp.float32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
-                jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+        return (jnp.zeros((R,), jnp.float32), jnp.zeros((R, K), jnp.int32),
+                jnp.zeros((R, K), jnp.float32))
 
     logprob, top_ids, top_vals = _when(mode, s.any_logprobs, logprob_outputs, no_logprobs, raw)
     return SampleOutput(tokens, logprob, top_ids, top_vals)
