@@ -26,7 +26,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # Keeps this request's prefix-cache entries apart from requests with another salt.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -84,3 +87,5 @@ class SamplingParams:
         check(self.logprobs is None or (isinstance(self.logprobs, int)
                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+              "cache_salt", "a non-empty string")
