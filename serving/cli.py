@@ -36,6 +36,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "with scales")
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV cache of prompt prefixes seen before "
+                                      "(default: on)")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -55,7 +58,8 @@ def _engine_config(args) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                  seed=args.seed, token_buckets=args.token_buckets,
+                  seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+                  token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
@@ -76,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 503 while this many requests wait for a slot")
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats line (throughput, KV cache, prefix cache hits)")
     warm = sub.add_parser("warmup", help="compile every bucket into the compilation cache")
     _engine_args(warm)
     return parser
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
 async def _serve(engine, args, started: float) -> int:
     from serving.openai.api_server import run_server
     from serving.engine.async_engine import AsyncEngine
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
     server = asyncio.create_task(run_server(
         async_engine, args.host, args.port, served_model_name=name, api_key=args.api_key,

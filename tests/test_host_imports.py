@@ -6,7 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_MODULES = ["serving.core.request", "serving.core.page_allocator", "serving.core.scheduler",
-                "serving.core.buckets", "serving.core.sampling_params"]
+                "serving.core.buckets", "serving.core.sampling_params",
+                "serving.core.kv_cache_manager", "serving.core.page_hash"]
 
 CHECK = f"""
 import importlib, sys

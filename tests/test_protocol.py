@@ -63,6 +63,7 @@ COMMON_BAD = [  # (field, value, param): rejected by both endpoints
     ("stream_options", {"include_usage": True}, "stream_options"),  # without stream
     ("model", 3, "model"), ("best_of", 3, "best_of"),
     ("skip_special_tokens", False, "skip_special_tokens"),
+    ("cache_salt", "", "cache_salt"), ("cache_salt", 7, "cache_salt"),
 ]
 
 
@@ -127,13 +128,14 @@ def test_completion_request_maps_to_sampling_params():
                       presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                       logit_bias={"7": -100, "9": 2.5}, logprobs=2, ignore_eos=True,
                       stream=True, stream_options={"include_usage": True}, user="u",
-                      some_future_field={"x": 1})
+                      some_future_field={"x": 1}, cache_salt="tenant-1")
     assert req.prompts == ["a", "b"] and req.stream and req.include_usage and not req.echo
     assert req.params == SamplingParams(
         n=3, temperature=0.0, top_p=0.9, top_k=0, min_p=0.1, seed=5, max_tokens=7,
         stop=["END"], stop_token_ids=[2], ignore_eos=True, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={7: -100.0, 9: 2.5},
-        logprobs=2)
+        logprobs=2, cache_salt="tenant-1")
+    assert _chat(cache_salt="s").params.cache_salt == "s"
     assert _completion().params == SamplingParams(max_tokens=16)
     assert _completion(prompt=[1, 2]).prompts == [[1, 2]]
     assert _completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
@@ -230,6 +232,8 @@ class Stats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.25
     num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class FakeEngine:
@@ -251,46 +255,52 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     async def generate(self, prompt_token_ids, params, request_id):
+        """The n samples one after another, each ending with a finished output."""
         if params.max_tokens > 1000:
             raise ValueError("the scheduler refuses this request")
         self.requests.append((request_id, list(prompt_token_ids), params))
-        out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                       params.include_stop_str_in_output)
-        done, ids, logprobs = False, [], []
+        finished = 0
         try:
-            for k, tid in enumerate(out_ids):
-                if k == self.block_after:
-                    await asyncio.Event().wait()
-                await asyncio.sleep(0)
-                if k == self.fail_after:
-                    done = True
-                    yield RequestOutput(request_id, prompt_token_ids, ids, finished=True,
-                                        finish_reason="error", error="device on fire")
-                    return
-                ids.append(tid)
-                new_text, stop = detok.add([tid])
-                last = stop is not None or k == len(out_ids) - 1
-                if last and stop is None:
-                    new_text += detok.flush()
-                new_lp = None
-                if params.logprobs is not None:
-                    top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
-                    new_lp = [TokenLogprob(tid, -0.5, top)]
-                    logprobs += new_lp
-                done = last
-                yield RequestOutput(request_id, prompt_token_ids, list(ids), detok.text,
-                                    [tid], new_text, logprobs if new_lp else None, new_lp,
-                                    finished=last, finish_reason=("stop" if stop else "length")
-                                    if last else None, stop_reason=stop)
-                if last:
-                    return
+            for index in range(params.n):
+                async for out in self._sample(prompt_token_ids, params, request_id, index):
+                    finished += out.finished
+                    yield out
         finally:
-            if done:
+            if finished == params.n:
                 self.finished.append(request_id)
             else:
                 self.abort(request_id)
                 self.aborted_event.set()
+
+    async def _sample(self, prompt_token_ids, params, request_id, index):
+        out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output)
+        ids, logprobs = [], []
+        for k, tid in enumerate(out_ids):
+            if k == self.block_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(0)
+            if k == self.fail_after:
+                yield RequestOutput(request_id, prompt_token_ids, ids, finished=True,
+                                    finish_reason="error", error="device on fire", index=index)
+                return
+            ids.append(tid)
+            new_text, stop = detok.add([tid])
+            last = stop is not None or k == len(out_ids) - 1
+            if last and stop is None:
+                new_text += detok.flush()
+            new_lp = None
+            if params.logprobs is not None:
+                top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
+                new_lp = [TokenLogprob(tid, -0.5, top)]
+                logprobs += new_lp
+            yield RequestOutput(request_id, prompt_token_ids, list(ids), detok.text,
+                                [tid], new_text, logprobs if new_lp else None, new_lp,
+                                finished=last, finish_reason=("stop" if stop else "length")
+                                if last else None, stop_reason=stop, index=index)
+            if last:
+                return
 
 
 @pytest.fixture
@@ -343,9 +353,9 @@ def test_completions_non_stream(engine, tokenizer):
             assert all(c["finish_reason"] == "length" for c in body["choices"])
             n_prompt = [len(tokenizer.encode(t)) for t in ("hello world", "the fox")]
             assert body["usage"] == responses.usage(sum(n_prompt), sum(min(4, n) * 2 for n in n_prompt))
-            seeds = [params.seed for _, _, params in engine.requests]
-            assert seeds == [7, 8, 7, 8] and all(prm.n == 1 for _, _, prm in engine.requests)
-            assert len({rid for rid, _, _ in engine.requests}) == 4
+            # one engine request per prompt; the engine runs its n samples
+            assert [(prm.n, prm.seed) for _, _, prm in engine.requests] == [(2, 7), (2, 7)]
+            assert len({rid for rid, _, _ in engine.requests}) == 2
     run(go())
 
 
@@ -584,7 +594,7 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
             before = await (await client.get("/metrics")).text()
             assert 'xlaserve:generation_tokens_total{model_name="tiny-test"} 0.0' in before
             await client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
-            engine.stats_ = Stats(3, 1, 0.5, 4)
+            engine.stats_ = Stats(3, 1, 0.5, 4, prefix_cache_queries=120, prefix_cache_hits=96)
             r = await client.get("/metrics")
             assert r.headers["Content-Type"].startswith("text/plain")
             text = await r.text()
@@ -593,6 +603,8 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
                          'xlaserve:num_requests_waiting{model_name="tiny-test"} 1.0',
                          'xlaserve:kv_cache_usage_perc{model_name="tiny-test"} 0.5',
                          'xlaserve:num_preemptions_total{model_name="tiny-test"} 4.0',
+                         'xlaserve:prefix_cache_queries_total{model_name="tiny-test"} 120.0',
+                         'xlaserve:prefix_cache_hits_total{model_name="tiny-test"} 96.0',
                          'xlaserve:request_success_total{finished_reason="length",'
                          'model_name="tiny-test"} 1.0',
                          'xlaserve:time_to_first_token_seconds_count{model_name="tiny-test"} 1.0',
@@ -623,12 +635,12 @@ def test_non_stream_disconnect_aborts_all_choices(engine):
         engine.block_after = 1
         async with serve(engine) as client:
             task = asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": "hello world", "max_tokens": 5, "n": 3}))
-            while len(engine.requests) < 3:
+                "prompt": ["hello world", "the fox"], "max_tokens": 5, "n": 3}))
+            while len(engine.requests) < 2:  # one engine request (of 3 samples) per prompt
                 await asyncio.sleep(0.01)
             task.cancel()  # closes the connection
             for _ in range(500):
-                if len(engine.aborted) == 3:
+                if len(engine.aborted) == 2:
                     break
                 await asyncio.sleep(0.01)
             assert sorted(engine.aborted) == sorted(rid for rid, _, _ in engine.requests)

@@ -33,6 +33,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(
         default_factory=lambda: str(default_cache_root() / "jax-cache"))
     seed: int = 0  # draws the seeds of requests that bring none
+    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
     progress: bool = True
 
     @classmethod

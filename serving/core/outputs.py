@@ -29,3 +29,4 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduled, on the first update
+    index: int = 0  # which of the request's n samples this update belongs to

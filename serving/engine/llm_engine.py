@@ -26,6 +26,7 @@ from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
+from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request, RequestStatus
 from serving.engine.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
@@ -42,6 +43,8 @@ class _State:
     logprobs: list[TokenLogprob] | None
     num_emitted: int = 0
     text: str = ""
+    parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
+    index: int = 0  # which of the parent's n samples
 
 
 @dataclass
@@ -79,13 +82,15 @@ class LLMEngine:
         self.kv_cache_bytes = self.num_pages * page_bytes
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
-            self.num_pages))
+            self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
+            model_key=_model_key(self.model_dir, ec)))
         self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
                                   page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, _State] = {}  # by the sample's own request id
+        self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
@@ -113,28 +118,65 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if request_id in self._states:
+        if request_id in self._states or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        parent = ParentRequest.expand(request_id, prompt_token_ids, params, self._make_request)
+        first, *rest = parent.children
+        if any(c.request_id in self._states for c in rest):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add_request(first)  # the rest cannot fail after this
+        if self.scheduler.config.enable_prefix_caching:
+            parent.held = rest  # they join once the first has computed the shared prompt
+        else:
+            for child in rest:
+                self.scheduler.add_request(child)
+        for i, child in enumerate(parent.children):
+            p = child.sampling_params
+            detok = self.tokenizer and IncrementalDetokenizer(
+                self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output)
+            self._states[child.request_id] = _State(
+                child, detok, [] if p.logprobs is not None else None, parent_id=request_id,
+                index=i)
+        if rest:
+            self._parents[request_id] = parent
+
+    def _make_request(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
-        detok = self.tokenizer and IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
-        self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
-        self._states[request_id] = _State(req, detok, [] if params.logprobs is not None else None)
+        return Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                       seed=seed % 2**32)
 
     def abort(self, request_id: str) -> None:
+        """Aborts a request, all n samples of it."""
+        parent = self._parents.pop(request_id, None)
+        for child in parent.children if parent else []:
+            self.scheduler.abort(child.request_id)
+            self._states.pop(child.request_id, None)
         self.scheduler.abort(request_id)
         self._states.pop(request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pending.requests)
+        return (self.scheduler.has_unfinished or bool(self._pending.requests)
+                or any(p.held for p in self._parents.values()))
+
+    def _release_held(self) -> None:
+        """Gives the scheduler the samples whose first sibling has computed the prompt."""
+        for request_id, parent in list(self._parents.items()):
+            if parent.held and parent.ready_to_release():
+                for child in parent.held:
+                    if child.request_id in self._states:
+                        self.scheduler.add_request(child)
+                parent.held = []
+            if all(c.request_id not in self._states for c in parent.children):
+                del self._parents[request_id]
 
     def step(self) -> list[RequestOutput]:
         """One step. An exception from here means the engine's state is lost (the device
         failed, or the scheduler broke): the caller fails every request. A failure that
         belongs to one request (its sampling inputs, its detokenization) ends that request
         with finish_reason "error" and the step goes on."""
+        self._release_held()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._emit_pending()
@@ -155,6 +197,7 @@ class LLMEngine:
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
         self._pending = _Pending()
+        self._parents.clear()
         return [self._fail(request_id, error) for request_id in list(self._states)]
 
     def _fail(self, request_id: str, error: str) -> RequestOutput:
@@ -162,8 +205,9 @@ class LLMEngine:
         st = self._states.pop(request_id)
         self.scheduler.abort(request_id)
         req = st.request
-        return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             st.text, finished=True, finish_reason="error", error=error)
+        return RequestOutput(st.parent_id, req.prompt_token_ids, list(req.output_token_ids),
+                             st.text, finished=True, finish_reason="error", error=error,
+                             index=st.index)
 
     def _build(self, out: SchedulerOutput):
         if self.faults:
@@ -236,10 +280,18 @@ class LLMEngine:
             st.logprobs += new_logprobs
         if req.is_finished:
             del self._states[req.request_id]
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+        return RequestOutput(st.parent_id, req.prompt_token_ids, list(req.output_token_ids),
                              st.text, new_ids, new_text, st.logprobs, new_logprobs,
                              req.is_finished, req.finish_reason, req.stop_reason,
-                             queue_time=queue_time)
+                             queue_time=queue_time, index=st.index)
+
+
+def _model_key(model_dir: Path, ec: EngineConfig) -> str:
+    """Names the weights in prefix-cache page hashes: K/V of the same tokens differ under
+    other weights, another dtype or another cache format."""
+    seed = ec.seed if ec.load_format == "dummy" else None
+    return (f"{Path(model_dir).resolve()}|{ec.load_format}|{seed}|{ec.dtype}|{ec.quantize}|"
+            f"{ec.kv_cache_dtype}")
 
 
 def _load_weights(model_dir: Path, ec: EngineConfig):

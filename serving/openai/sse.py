@@ -1,5 +1,5 @@
-"""From engine outputs to OpenAI responses: one request's choices run as concurrent engine
-requests, merged into one stream of updates, then written as SSE chunks or collected into
+"""From engine outputs to OpenAI responses: one engine request per prompt, whose n samples
+are the prompt's choices, merged into one stream of updates, then written as SSE chunks or collected into
 one JSON response. Also the token texts for logprobs.
 
 Lifetime rule: whatever way a response ends (finished, error, client gone, handler
@@ -36,14 +36,16 @@ def sse_event(obj: dict) -> bytes:
 
 @dataclass
 class Choice:
-    """One OpenAI choice = one engine request."""
+    """One OpenAI choice = one sample of an engine request (choices of one prompt share
+    the request id)."""
     index: int
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams  # n == 1, max_tokens resolved against the context
+    params: SamplingParams  # the request's: n samples, max_tokens resolved against the context
     prompt_index: int = 0  # which prompt of the request: usage counts each prompt once
     prompt_text: str = ""  # echoed before the completion (completions with echo)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    sample_index: int = 0  # RequestOutput.index of this choice's sample
 
 
 class OutputStream:
@@ -56,39 +58,49 @@ class OutputStream:
     def __init__(self, engine, metrics, choices: list[Choice], arrival: float):
         self._metrics, self._arrival = metrics, arrival
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._open = len(choices)
+        requests: dict[str, list[Choice]] = {}
+        for c in choices:
+            requests.setdefault(c.request_id, []).append(c)
+        self._open = len(requests)
         self._gens = []
         try:
-            for c in choices:
+            for samples in requests.values():
+                c = samples[0]
                 self._gens.append(engine.generate(c.prompt_ids, c.params, c.request_id))
         except BaseException:
             for gen in self._gens:  # withdraw the ones already submitted
                 _close_now(gen)
             raise
-        self._tasks = [asyncio.create_task(self._pump(c, gen))
-                       for c, gen in zip(choices, self._gens)]
+        self._tasks = [asyncio.create_task(self._pump(samples, gen))
+                       for samples, gen in zip(requests.values(), self._gens)]
 
-    async def _pump(self, choice: Choice, gen) -> None:
-        tracker = self._metrics.track(len(choice.prompt_ids), self._arrival)
-        queue_time = None  # the engine reports it on the request's first update only
+    async def _pump(self, samples: list[Choice], gen) -> None:
+        """One engine request: its outputs go to the choice of their sample."""
+        by_index = {c.sample_index: c for c in samples}
+        trackers = {i: self._metrics.track(len(c.prompt_ids), self._arrival)
+                    for i, c in by_index.items()}
+        queue_times = {}  # the engine reports it on a sample's first update only
         try:
             async for out in gen:
-                if queue_time is None:
-                    queue_time = getattr(out, "queue_time", None)
+                choice, tracker = by_index[out.index], trackers[out.index]
+                if queue_times.get(out.index) is None:
+                    queue_times[out.index] = getattr(out, "queue_time", None)
                 tracker.on_output(len(out.new_token_ids))
                 if out.finished:
-                    tracker.on_finish(out.finish_reason, queue_time)
+                    tracker.on_finish(out.finish_reason, queue_times[out.index])
                 self._queue.put_nowait((choice, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which decides
-            if tracker.last is None:
-                tracker.done = True  # refused before it ran: not a finished request
-            self._queue.put_nowait((choice, e))
+            for tracker in trackers.values():
+                if tracker.last is None:
+                    tracker.done = True  # refused before it ran: not a finished request
+            self._queue.put_nowait((samples[0], e))
         finally:
-            tracker.on_finish("abort")  # no-op when it finished
+            for tracker in trackers.values():
+                tracker.on_finish("abort")  # no-op when it finished
             try:
                 await gen.aclose()  # aborts the engine request if it is still running
             finally:
-                self._queue.put_nowait((choice, _END))
+                self._queue.put_nowait((samples[0], _END))
 
     async def get(self) -> tuple[Choice, RequestOutput] | None:
         while self._open:
