@@ -83,7 +83,8 @@ def test_long_prompt_is_prefilled_in_chunks_and_samples_only_at_the_end():
         [s] = out.scheduled
         chunks.append((s.start, s.num_new_tokens, s.samples))
         assert s.token_ids == req.prompt_token_ids[s.start:s.start + s.num_new_tokens]
-        assert len(s.page_ids) == cdiv(s.start + s.num_new_tokens, 4) == len(sched.page_ids(req.request_id))
+        assert len(s.page_ids) == cdiv(s.start + s.num_new_tokens, 4)
+        assert s.page_ids == sched.page_ids(req.request_id)
         assert changed == ([req] if s.samples else [])
     assert chunks == [(0, 10, False), (10, 10, False), (20, 5, True)]
     assert req.output_token_ids == [42] and req.num_computed_tokens == 25
@@ -129,7 +130,7 @@ def test_exhaustion_preempts_the_newest_which_later_recomputes_what_the_cache_lo
         assert out.preempted == []
     out, _ = step(sched, token)  # "a" needs a 3rd page for its 9th token: take b's
     assert plan(out) == [("a", 1)] and out.preempted == [b]
-    assert (b.status, b.num_computed_tokens, sched.page_ids(b.request_id), b.num_preemptions) == (
+    assert (b.status, b.num_computed_tokens, sched.page_ids("b"), b.num_preemptions) == (
         RequestStatus.WAITING, 0, [], 1)
     assert b.output_token_ids == [2000, 2001, 2002] and sched.num_preemptions_total == 1
     out, changed = step(sched, token)

@@ -108,7 +108,8 @@ class LLMEngine:
                 f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
                 f"{self.config.page_size} tokens; attention {self.attention_backend}; max_model_len {self.max_model_len}; buckets: "
                 f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
-                f"-> {len(self.step_shapes)} programs")
+                f"-> {len(self.step_shapes)} programs; prefix caching "
+                f"{'on' if self.config.enable_prefix_caching else 'off'}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:

@@ -1,7 +1,7 @@
 """The aiohttp OpenAI-compatible server: routes, admission, graceful shutdown.
 
-Handlers validate and tokenize, make one engine request per prompt (the engine runs its n
-samples), and hand off to `serving.openai.sse` to stream or collect the outputs. `serving.openai.http_guard` wraps every
+Handlers validate and tokenize, make one engine request per prompt (of n samples), and
+hand off to `serving.openai.sse` to stream or collect the outputs. `serving.openai.http_guard` wraps every
 handler (error envelope, API key, drain gate, hostile bodies), so every error leaves in
 OpenAI's envelope; nothing a client sends reaches the engine unvalidated or crashes the
 server. If the engine dies, run_server drains and returns 1.

@@ -1,6 +1,6 @@
 """From engine outputs to OpenAI responses: one engine request per prompt, whose n samples
-are the prompt's choices, merged into one stream of updates, then written as SSE chunks or collected into
-one JSON response. Also the token texts for logprobs.
+are the prompt's choices, merged into one stream of updates, then written as SSE chunks or
+collected into one JSON response. Also the token texts for logprobs.
 
 Lifetime rule: whatever way a response ends (finished, error, client gone, handler
 cancelled), every engine generator is closed, which aborts its engine request and frees its
