@@ -3,8 +3,8 @@
 quant.array   QuantArray (values + float32 scales, a pytree), quantize, dequantize
 quant.ops     matmul and embedding lookup for plain or quantized weights
 quant.recipe  Recipe (which weights, which scheme, which granularity), quantize_params
-quant.quality perplexity and greedy agreement through the serving forward (eval_quality.py)
 quant.hlo     what XLA:GPU made of a quantized matmul, and its speed (`python -m quant.hlo`)
 
+How well a quantized model keeps its quality is measured in model.quality (it runs the model).
 Submodules are imported explicitly: `quant.recipe` parses and validates recipes without JAX.
 """

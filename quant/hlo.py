@@ -4,7 +4,8 @@
 
 For each scheme (bf16, int8 per channel, fp8 per channel, fp8 per tensor) and each row count
 m, it compiles `matmul(x[m, k], w[k, n])` as the model calls it and reads the optimized HLO:
-- "cublasLt fp8": XLA's fp8 GEMM rewrite matched (DESIGN section 6); only fp8 per tensor can.
+- "cublasLt fp8": XLA's fp8 GEMM rewrite matched (docs/architecture.md, "Quantization");
+  only fp8 per tensor can.
 - "triton, convert fused": the int8/fp8 -> bf16 convert runs inside the Triton GEMM, so the
   weights are read once in 8 bits (what weight-only quantization needs to be fast).
 - "cublas + separate convert": a fusion writes a bf16 copy of the weights first, then cuBLAS:

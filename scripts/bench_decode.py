@@ -107,8 +107,8 @@ def run_batch(engine, batch: int, args, rng) -> dict:
         outputs = engine.step()
         new = 0
         for out in outputs:
-            new += len(out.token_ids) - counts[out.request_id]
-            counts[out.request_id] = len(out.token_ids)
+            new += len(out.new_token_ids)
+            counts[out.request_id] += len(out.new_token_ids)
         if decode_start is not None:
             decode_steps += 1
             decode_tokens += new

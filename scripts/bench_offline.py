@@ -73,7 +73,7 @@ def run(engine: LLMEngine, prompts, params, tag: str) -> tuple[int, list[float],
         t0 = time.perf_counter()
         outputs = engine.step()
         steps.append(time.perf_counter() - t0)
-        tokens += sum(len(o.token_ids) for o in outputs if o.finished)
+        tokens += sum(len(o.new_token_ids) for o in outputs)
     return tokens, steps, time.perf_counter() - started
 
 

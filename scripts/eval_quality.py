@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from model.checkpoint import load_model
-    from quant.quality import evaluate
+    from model.quality import evaluate
     from serving.engine.sizing import resolve_model_dir
     model_dir = resolve_model_dir(args.model)
     cfg, params = load_model(model_dir, args.dtype, progress=False)

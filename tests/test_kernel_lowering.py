@@ -1,4 +1,5 @@
-"""Cross-lowering the Pallas kernels for CUDA on a CPU host (DESIGN.md section 5).
+"""Cross-lowering the Pallas kernels for CUDA on a CPU host (docs/architecture.md, "Kernels and
+their references").
 
 This runs the real Triton lowering (power-of-two tensors, supported primitives and casts) that
 interpret mode skips, for every kernel configuration the engine's buckets pick. It does not run

@@ -299,11 +299,10 @@ def greedy_tokens(model_dir, backend, prompts, max_tokens=8, **options):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", list(p), params)
-    done = {}
+    done = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished:
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
+            done[out.request_id] += out.new_token_ids
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 

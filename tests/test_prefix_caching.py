@@ -74,7 +74,6 @@ def test_n_samples_share_their_prompt_pages(demo):
                                                              ignore_eos=True))
     # The first sample computes the prompt; the other two find its full pages.
     assert kvm.prefix_cache_hits - hits >= 2 * full_pages * demo.engine.config.page_size
-    assert [o.index for o in result.outputs] == [0, 1, 2]
     alone = [demo.generate([prompt + [42]], SamplingParams(seed=5 + i, max_tokens=4,
                                                            ignore_eos=True))[0].token_ids
              for i in range(3)]

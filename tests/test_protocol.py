@@ -108,7 +108,13 @@ def test_bad_completion_request(fields, param):
     ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages"),  # unhashable role
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_chat_request(fields, param):
@@ -242,11 +248,14 @@ class FakeEngine:
 
     def __init__(self, tokenizer, max_model_len=64):
         self.tokenizer, self.max_model_len, self.ready = tokenizer, max_model_len, True
+        self.vocab_size = len(tokenizer)
         self.requests, self.aborted, self.finished = [], [], []
         self.stats_ = Stats()
         self.block_after = None  # stop producing after this many tokens, until aborted
         self.fail_after = None  # yield an engine error after this many tokens
         self.aborted_event = asyncio.Event()
+        self.hold = None  # (entered, gate) events: a request waits for the gate before its output
+        self.script = None  # token ids every request outputs instead of its reversed prompt
 
     def stats(self):
         return self.stats_
@@ -254,38 +263,44 @@ class FakeEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
-    async def generate(self, prompt_token_ids, params, request_id):
-        """The n samples one after another, each ending with a finished output."""
-        if params.max_tokens > 1000:
-            raise ValueError("the scheduler refuses this request")
-        self.requests.append((request_id, list(prompt_token_ids), params))
-        finished = 0
-        try:
-            for index in range(params.n):
-                async for out in self._sample(prompt_token_ids, params, request_id, index):
-                    finished += out.finished
-                    yield out
-        finally:
-            if finished == params.n:
-                self.finished.append(request_id)
-            else:
-                self.abort(request_id)
-                self.aborted_event.set()
+    def generate(self, prompt_token_ids, params, request_id, queue):
+        """Like AsyncEngine.generate: (request_id, output or exception) items into queue;
+        the n samples one after another, each ending with a finished output."""
+        stream = FakeStream(self, request_id)
+        stream.task = asyncio.create_task(self._produce(prompt_token_ids, params, request_id,
+                                                        queue, stream))
+        return stream
 
-    async def _sample(self, prompt_token_ids, params, request_id, index):
-        out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
+    async def _produce(self, prompt_token_ids, params, request_id, queue, stream):
+        if params.max_tokens > 1000:
+            queue.put_nowait((request_id, ValueError("the scheduler refuses this request")))
+            return
+        self.requests.append((request_id, list(prompt_token_ids), params))
+        if self.hold is not None:
+            self.hold[0].set()
+            await self.hold[1].wait()
+        for index in range(params.n):
+            if not await self._sample(prompt_token_ids, params, request_id, queue, index):
+                stream.ended = True
+                return
+        stream.ended = True
+        self.finished.append(request_id)
+
+    async def _sample(self, prompt_token_ids, params, request_id, queue, index) -> bool:
+        """One sample's outputs; False if it ended in an error."""
+        out_ids = list(self.script if self.script is not None
+                       else reversed(prompt_token_ids))[:params.max_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output)
-        ids, logprobs = [], []
         for k, tid in enumerate(out_ids):
             if k == self.block_after:
                 await asyncio.Event().wait()
             await asyncio.sleep(0)
             if k == self.fail_after:
-                yield RequestOutput(request_id, prompt_token_ids, ids, finished=True,
-                                    finish_reason="error", error="device on fire", index=index)
-                return
-            ids.append(tid)
+                queue.put_nowait((request_id, RequestOutput(
+                    request_id, prompt_token_ids, finished=True, finish_reason="error",
+                    error="device on fire", index=index)))
+                return False
             new_text, stop = detok.add([tid])
             last = stop is not None or k == len(out_ids) - 1
             if last and stop is None:
@@ -294,13 +309,35 @@ class FakeEngine:
             if params.logprobs is not None:
                 top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
                 new_lp = [TokenLogprob(tid, -0.5, top)]
-                logprobs += new_lp
-            yield RequestOutput(request_id, prompt_token_ids, list(ids), detok.text,
-                                [tid], new_text, logprobs if new_lp else None, new_lp,
-                                finished=last, finish_reason=("stop" if stop else "length")
-                                if last else None, stop_reason=stop, index=index)
+            queue.put_nowait((request_id, RequestOutput(
+                request_id, prompt_token_ids, [tid], new_text, new_lp, finished=last,
+                # A scripted output ends as if the model wrote EOS after it.
+                finish_reason=("stop" if stop or self.script is not None else "length")
+                if last else None,
+                stop_reason=stop, index=index)))
             if last:
-                return
+                return True
+        return True
+
+
+class FakeStream:
+    """What FakeEngine.generate returns: closing it before its end aborts the request."""
+
+    def __init__(self, engine, request_id):
+        self.engine, self.request_id, self.task, self.ended = engine, request_id, None, False
+        self.closed = False
+
+    def take(self, item):
+        pass
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.task.cancel()
+        if not self.ended:
+            self.engine.abort(self.request_id)
+            self.engine.aborted_event.set()
 
 
 @pytest.fixture
@@ -680,14 +717,7 @@ def test_sigterm_lets_in_flight_requests_finish(engine, tokenizer):
     async def go():
         port = _free_port()
         entered, gate = asyncio.Event(), asyncio.Event()
-        real_generate = engine.generate
-
-        async def held_generate(ids, params, rid):
-            entered.set()
-            await gate.wait()  # hold the request until SIGTERM has been delivered
-            async for out in real_generate(ids, params, rid):
-                yield out
-        engine.generate = held_generate
+        engine.hold = (entered, gate)  # hold the request until SIGTERM has been delivered
         server = asyncio.create_task(run_server(engine, "127.0.0.1", port,
                                                 served_model_name=MODEL, grace_period_s=10))
         url = f"http://127.0.0.1:{port}"
@@ -726,7 +756,7 @@ async def _wait_healthy(session, url):
 
 
 def test_token_texts(tokenizer):
-    from serving.openai.sse import TokenTexts
+    from serving.openai.token_texts import TokenTexts
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode("héllo 你好 🙂", add_special_tokens=False)
     raw = b"".join(bytes(texts.get(i)[1]) for i in ids)

@@ -98,7 +98,7 @@ def test_fp8_per_tensor_matmul_is_the_matmul_of_both_dequantized_operands(dtype)
 
 def test_fp8_matmul_is_written_in_xlas_fp8_gemm_pattern():
     """Both operands: fp8 -> convert -> multiply by a broadcast scalar -> dot (the cuBLASLt
-    fp8 rewrite's pattern, DESIGN section 6); nothing per channel in between."""
+    fp8 rewrite's pattern, docs/architecture.md, "Quantization"); nothing per channel in between."""
     q = quantize(weights((64, 32)), FP8, axes=(-2, -1))
     x = jnp.ones((4, 64), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(fp8_matmul)(x, q).jaxpr

@@ -11,7 +11,7 @@ import pytest
 
 from model.checkpoint import load_model, param_bytes, read_metadata
 from quant.array import QuantArray
-from quant.quality import perplexity
+from model.quality import perplexity
 from quant.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -267,12 +267,34 @@ def test_update_rejects_a_mismatched_token_list():
         sched.update(out, [])
 
 
+def test_a_stop_string_ends_a_request_through_the_scheduler():
+    sched = make_scheduler()
+    running, last = make_request("a", 3), make_request("b", 3, max_tokens=1)
+    sched.add_request(running)
+    sched.add_request(last)
+    step(sched)  # both prefill and sample; "b" ends by length on its only token
+    assert last.finish_reason == "length" and running.status is RequestStatus.RUNNING
+    used = sched.allocator.num_used_pages
+    sched.stop_on_string(running, "STOP")
+    assert (running.finish_reason, running.stop_reason) == ("stop", "STOP")
+    assert not sched.has_unfinished and used == 1 and sched.allocator.num_used_pages == 0
+    # The token that completed the stop string also hit max_tokens: the stop string wins.
+    sched.stop_on_string(last, "END")
+    assert (last.status, last.finish_reason, last.stop_reason) == (
+        RequestStatus.FINISHED_STOPPED, "stop", "END")
+    aborted = make_request("c", 3)
+    sched.add_request(aborted)
+    sched.abort("c")
+    sched.stop_on_string(aborted, "late")  # an abort stays an abort
+    assert aborted.finish_reason == "abort"
+
+
 # -- refusals ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_prompt_tokens, cfg, message", [
     (0, {}, "prompt is empty"),
-    (32, dict(max_model_len=32), "max_model_len is 32"),
-    (40, dict(max_model_len=32), "room for at least one output token"),
+    (32, dict(max_model_len=32), "maximum context length is 32 tokens"),
+    (40, dict(max_model_len=32), "leaves no room for a completion"),
     (12, dict(page_size=4, num_pages=4), "needs 4 KV cache pages"),
 ])
 def test_never_fitting_prompts_are_refused(num_prompt_tokens, cfg, message):

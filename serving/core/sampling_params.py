@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from serving.core.structured_outputs import StructuredOutputsParams
+
 # OpenAI allows at most this many logit_bias entries and at most 20 top logprobs.
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
@@ -30,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Keeps this request's prefix-cache entries apart from requests with another salt.
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
         if isinstance(self.stop, str):

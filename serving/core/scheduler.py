@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
 from serving.core.request import Request, RequestStatus
+from serving.core.request_checks import RequestRefused, fit_max_tokens
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,12 @@ class Scheduler:
 
     def _check_fits(self, req: Request) -> None:
         cfg, n = self.config, req.num_prompt_tokens
-        if n == 0:
-            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
-        if n >= cfg.max_model_len:
-            raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens but "
-                             f"max_model_len is {cfg.max_model_len}; it needs room for at "
-                             f"least one output token")
+        fit_max_tokens(n, None, cfg.max_model_len)
         pages = cdiv(n + 1, cfg.page_size)
         if pages > self.allocator.num_usable_pages:
-            raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens and needs "
-                             f"{pages} KV cache pages of {cfg.page_size} tokens, but the cache "
-                             f"has only {self.allocator.num_usable_pages}")
+            raise RequestRefused(f"the prompt has {n} tokens and needs {pages} KV cache pages "
+                                 f"of {cfg.page_size} tokens, but the cache has only "
+                                 f"{self.allocator.num_usable_pages}", param="prompt")
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        reason: int | str | None = None) -> None:
@@ -112,6 +108,16 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self._finish(req, status, reason)
+
+    def stop_on_string(self, req: Request, stop: str) -> None:
+        """A stop string completed in the request's text. It ends the request with "stop",
+        also when the same token ended it another way (max_tokens, EOS): the text ends at the
+        stop string, so that is what is reported, as vLLM does."""
+        if req.request_id in self.requests:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        elif req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            req.status, req.finish_reason, req.stop_reason = (
+                RequestStatus.FINISHED_STOPPED, "stop", stop)
 
     def abort(self, request_id: str) -> None:
         self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

@@ -45,14 +45,19 @@ class EngineStats:
 
 class RequestStream:
     """One request's outputs (all n samples', told apart by `index`), as an async iterator;
-    it ends after each sample's finished output. Closing it early (`aclose()`) aborts the
-    request and frees its pages; closing twice is harmless."""
+    it ends after each sample's finished output. Closing it early (`close()`/`aclose()`)
+    aborts the request and frees its pages; closing twice is harmless.
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, n: int = 1):
+    The engine thread puts (request_id, output or exception) items on `queue`. Several
+    streams may share one queue (one HTTP response's choices): their reader then reads the
+    queue itself and hands each item to its stream's `take()` instead of iterating."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str,
+                 queue: asyncio.Queue | None = None, n: int = 1):
         self._engine, self.request_id = engine, request_id
         self._unfinished = n
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -61,15 +66,25 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        _, item = await self.queue.get()
+        self.take(item)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def take(self, item) -> None:
+        """Notes one item read from the queue: the stream ends with an exception or once
+        every sample has had its final output."""
         if isinstance(item, Exception):
             self._close(finished=True)
-            raise item
-        if item.finished:
+        elif item.finished:
             self._unfinished -= 1
             if self._unfinished == 0:
                 self._close(finished=True)
-        return item
+
+    @property
+    def done(self) -> bool:
+        return self._done
 
     def close(self) -> None:
         self._close(finished=False)
@@ -90,6 +105,7 @@ class AsyncEngine:
         self._stats_log = StatsLogger(log_stats_interval_s) if log_stats_interval_s else None
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.ready = False
         self.dead: str | None = None  # why the engine died, once it has
         self.on_dead: list = []  # callables, run on the engine thread when it dies
@@ -115,10 +131,11 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> RequestStream:
+                 request_id: str, queue: asyncio.Queue | None = None) -> RequestStream:
         """Submits the request now (so admission control sees it at once) and returns its
-        output stream. Raises EngineDeadError if the engine has died."""
-        stream = RequestStream(self, request_id, params.n)
+        output stream, delivering into `queue` if given. Raises EngineDeadError if the
+        engine has died."""
+        stream = RequestStream(self, request_id, queue, params.n)
         with self._wake:
             if self.dead is not None:
                 raise EngineDeadError(f"the engine is dead: {self.dead}")
@@ -162,7 +179,7 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (request_id, item))
 
     def _loop(self) -> None:
         try:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from serving.core.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
-from serving.core.outputs import RequestOutput
+from serving.core.outputs import CompletionOutput
 from serving.core.sampling_params import SamplingParams
 
 
@@ -13,7 +13,7 @@ from serving.core.sampling_params import SamplingParams
 class CompletionResult:
     """The result for one prompt: the first sample's fields, and all n samples in `outputs`."""
     prompt_token_ids: list[int]
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,7 +54,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                result = CompletionResult(tokens, [None] * p.n)
+                logprobs = [] if p.logprobs is not None else None
+                result = CompletionResult(tokens, [CompletionOutput(logprobs=logprobs)
+                                                   for _ in range(p.n)])
                 self._counter += 1
                 request_id = f"offline-{self._counter}"
                 self.engine.add_request(request_id, tokens, p)  # the engine runs the n samples
@@ -68,6 +70,5 @@ class LLM:
             raise
         while self.engine.has_unfinished:
             for out in self.engine.step():
-                if out.finished:
-                    ids[out.request_id].outputs[out.index] = out
+                ids[out.request_id].outputs[out.index].add(out)
         return results

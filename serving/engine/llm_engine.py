@@ -28,7 +28,8 @@ from serving.engine.faults import Faults
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput, TokenLogprob
-from serving.core.request import Request, RequestStatus
+from serving.core.request import Request
+from serving.core.request_checks import check_request_token_ids
 from serving.engine.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -40,9 +41,7 @@ log = logging.getLogger("xlaserve")
 class _State:
     request: Request
     detokenizer: IncrementalDetokenizer | None
-    logprobs: list[TokenLogprob] | None
-    num_emitted: int = 0
-    text: str = ""
+    num_emitted: int = 0  # output tokens already sent
     parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
     index: int = 0  # which of the parent's n samples
 
@@ -70,6 +69,9 @@ class LLMEngine:
         self.cfg, params = _load_weights(self.model_dir, ec)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
+        self.vocab_size = min(self.cfg.vocab_size, len(self.tokenizer)) if self.tokenizer \
+            else self.cfg.vocab_size
         self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
@@ -114,16 +116,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queues a request; raises ValueError if it can never run."""
-        vocab = self.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if request_id in self._states or request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        check_request_token_ids(prompt_token_ids, params, self.vocab_size)
         parent = ParentRequest.expand(request_id, prompt_token_ids, params, self._make_request)
         first, *rest = parent.children
-        if any(c.request_id in self._states for c in rest):
+        if any(c.request_id in self._states for c in rest):  # held ones: not in the scheduler
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add_request(first)  # the rest cannot fail after this
         if self.scheduler.config.enable_prefix_caching:
@@ -135,9 +131,7 @@ class LLMEngine:
             p = child.sampling_params
             detok = self.tokenizer and IncrementalDetokenizer(
                 self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output)
-            self._states[child.request_id] = _State(
-                child, detok, [] if p.logprobs is not None else None, parent_id=request_id,
-                index=i)
+            self._states[child.request_id] = _State(child, detok, parent_id=request_id, index=i)
         if rest:
             self._parents[request_id] = parent
 
@@ -205,10 +199,8 @@ class LLMEngine:
         """Ends one request with an error and frees its pages."""
         st = self._states.pop(request_id)
         self.scheduler.abort(request_id)
-        req = st.request
-        return RequestOutput(st.parent_id, req.prompt_token_ids, list(req.output_token_ids),
-                             st.text, finished=True, finish_reason="error", error=error,
-                             index=st.index)
+        return RequestOutput(st.parent_id, st.request.prompt_token_ids, finished=True,
+                             finish_reason="error", error=error, index=st.index)
 
     def _build(self, out: SchedulerOutput):
         if self.faults:
@@ -224,13 +216,13 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - one request's inputs must not fail a batch
             log.error("building a step failed (%s); retrying its requests one by one",
                       type(e).__name__)
-        failed = []
+        failed, gone = [], set()  # outputs carry the caller's id; gone holds the samples'
         for s in out.scheduled:
             try:
                 self._build(SchedulerOutput([s]))
             except Exception as e:  # noqa: BLE001 - this request is at fault
                 failed.append(self._fail_alone(s.request.request_id, "sampling inputs", e))
-        gone = {f.request_id for f in failed}
+                gone.add(s.request.request_id)
         kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
                                out.preempted)
         return kept, (self._build(kept) if kept.scheduled else None), failed
@@ -263,27 +255,21 @@ class LLMEngine:
         if self.faults:
             self.faults.check("detokenize", [req])
         new_text, stop = st.detokenizer.add(new_ids) if st.detokenizer else ("", None)
-        if stop is not None and not req.is_finished:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        elif stop is not None:
-            # The token that completed the stop string also hit max_tokens (or EOS): the text
-            # ends at the stop string, so report that, as vLLM does.
-            req.status, req.finish_reason, req.stop_reason = (
-                RequestStatus.FINISHED_STOPPED, "stop", stop)
+        if stop is not None:
+            self.scheduler.stop_on_string(req, stop)
         elif req.is_finished and st.detokenizer:
             new_text += st.detokenizer.flush()
-        st.text += new_text
         new_logprobs = None
-        if st.logprobs is not None and new_ids:
-            k = req.sampling_params.logprobs
-            top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-            new_logprobs = [TokenLogprob(new_ids[-1], float(result.logprob[row]), top)]
-            st.logprobs += new_logprobs
+        if (k := req.sampling_params.logprobs) is not None:
+            new_logprobs = []
+            if new_ids:
+                top = list(zip(result.top_ids[row, :k].tolist(),
+                               result.top_logprobs[row, :k].tolist()))
+                new_logprobs.append(TokenLogprob(new_ids[-1], float(result.logprob[row]), top))
         if req.is_finished:
             del self._states[req.request_id]
-        return RequestOutput(st.parent_id, req.prompt_token_ids, list(req.output_token_ids),
-                             st.text, new_ids, new_text, st.logprobs, new_logprobs,
-                             req.is_finished, req.finish_reason, req.stop_reason,
+        return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
+                             new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
                              queue_time=queue_time, index=st.index)
 
 

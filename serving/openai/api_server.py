@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import signal
 import time
 
@@ -22,13 +23,16 @@ from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_
                                 read_json)
 from serving.openai.metrics import Metrics
 from serving.openai.openapi import openapi_spec
+from serving.core.structured_outputs import StructuredOutputsParams
+from serving.openai.tools import parse_tool_choice
 from serving.openai.server_state import (STATE, ServerState, check_admission, check_prompt_size,
                                   check_queue)
 
 
 def build_app(engine, *, served_model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
-              max_prompt_chars: int | None = None) -> web.Application:
+              max_prompt_chars: int | None = None, chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> web.Application:
     """Best run with handler_cancellation=True (run_server does), so a client that goes away
     cancels its handler at once; without it, disconnects are noticed at the next write or
     within half a second (sse.cancel_on_disconnect)."""
@@ -36,7 +40,8 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, gate_middleware])
     state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
-                        max_queued_requests, max_body_bytes, max_prompt_chars)
+                        max_queued_requests, max_body_bytes, max_prompt_chars, chat_template,
+                        tool_call_parser)
     state.idle.set()
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
@@ -60,23 +65,22 @@ def _check_model(state: ServerState, model: str | None) -> None:
                               code="model_not_found")
 
 
-def _vocab_size(tokenizer) -> int:
-    return len(tokenizer)
-
-
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-              add_special_tokens: bool = False) -> list[int]:
-    check_prompt_size(state, sum(len(m["content"]) for m in messages), "messages")
+              add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+    check_prompt_size(state, size, "messages")
     tokenizer = state.engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise p.ProtocolError("this model has no chat template; use /v1/completions",
                               param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                             chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - templates raise for bad conversations
         raise p.ProtocolError(f"the chat template rejected the messages: {e}",
@@ -114,6 +118,16 @@ async def _respond(request: web.Request, state: ServerState, choices: list[sse.C
         await stream_.aclose()  # aborts whatever is still running: client gone, error, ...
 
 
+def _forced_tool_call(params, tools):
+    """tool_choice "required" or a named function: the output must follow the tools' JSON
+    schema (serving/openai/tools.py), through structured outputs."""
+    if params.structured_outputs is not None:
+        raise p.ProtocolError("a forced tool_choice cannot be combined with response_format "
+                              "or structured outputs", param="tool_choice")
+    return dataclasses.replace(params,
+                               structured_outputs=StructuredOutputsParams(json=tools.schema()))
+
+
 # -- routes --------------------------------------------------------------------------------
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -128,18 +142,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             check_prompt_size(state, len(prompt), "prompt")
     choices: list[sse.Choice] = []
     for i, prompt in enumerate(req.prompts):
-        if isinstance(prompt, str):
-            ids = _encode(tokenizer, prompt, add_special_tokens=True)
-        else:
-            ids = prompt
-            p.check_token_ids(ids, _vocab_size(tokenizer), "prompt")
-        if not ids:
-            raise p.ProtocolError("the prompt is empty", param="prompt")
+        ids = _encode(tokenizer, prompt, add_special_tokens=True) if isinstance(prompt, str) \
+            else prompt
+        p.check_request_token_ids(ids, req.params, engine.vocab_size)
         max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
         params = dataclasses.replace(req.params, max_tokens=max_tokens)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
         choices += _choices(ids, i, params, i * req.params.n, echo)
-    _check_sampling_ids(req.params, _vocab_size(tokenizer))
     texts = state.token_texts() if req.params.logprobs is not None else None
     fmt = sse.CompletionFormat(responses.new_id("cmpl"), state.model, texts, req.include_usage)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
@@ -148,24 +157,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()  # TTFT counts from here, tokenization included (as vLLM)
     state = request.app[STATE]
-    engine, tokenizer = state.engine, state.engine.tokenizer
+    engine = state.engine
     check_admission(state)
-    req = p.parse_chat_request(await read_json(request))
+    body = await read_json(request)
+    req = p.parse_chat_request(body)
+    tools = parse_tool_choice(body, state.tool_call_parser is not None)
     _check_model(state, req.model)
-    ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+    ids = _chat_ids(state, req.messages, req.add_generation_prompt, tools=tools.tools)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
-    _check_sampling_ids(params, _vocab_size(tokenizer))
+    if tools.forced:
+        params = _forced_tool_call(params, tools)
+    p.check_request_token_ids(ids, params, engine.vocab_size)
     texts = state.token_texts() if req.logprobs else None
-    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage)
+    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
+                         tools, state.tool_call_parser)
     return await _respond(request, state, _choices(ids, 0, params, 0), fmt, req.stream,
                           arrival)
-
-
-def _check_sampling_ids(params, vocab_size: int) -> None:
-    p.check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
-    p.check_token_ids(list(params.logit_bias), vocab_size, "logit_bias")
 
 
 def _model_card(state: ServerState) -> dict:
@@ -192,7 +201,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_spec(state.model, _vocab_size(state.engine.tokenizer),
+    return web.json_response(openapi_spec(state.model, state.engine.vocab_size,
                                           state.engine.max_model_len))
 
 
@@ -213,10 +222,13 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     _check_model(state, p.opt_str(body, "model"))
     add_generation_prompt = p.opt_bool(body, "add_generation_prompt", True)  # messages only
+    tools = parse_tool_choice({"tools": body.get("tools")}, auto_enabled=True)
+    if tools.tools and "messages" not in body:
+        raise p.ProtocolError("'tools' go with 'messages'", param="tools")
     if "messages" in body:
         req = p.parse_chat_request({"messages": body["messages"]})
         ids = _chat_ids(state, req.messages, add_generation_prompt,
-                        p.opt_bool(body, "add_special_tokens", False))
+                        p.opt_bool(body, "add_special_tokens", False), tools.tools)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -236,7 +248,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if not (isinstance(tokens, list) and all(p.is_int(t) and t >= 0 for t in tokens)):
         raise p.ProtocolError("'tokens' must be a list of token ids", param="tokens")
-    p.check_token_ids(tokens, _vocab_size(tokenizer), "tokens")
+    p.check_token_ids(tokens, state.engine.vocab_size, "tokens")
     return web.json_response({"prompt": tokenizer.decode(tokens)})
 
 
@@ -246,7 +258,8 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
                      served_model_name: str, api_key: str | None = None,
                      max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
                      max_prompt_chars: int | None = None, grace_period_s: float = 30.0,
-                     stop_event: asyncio.Event | None = None) -> int:
+                     stop_event: asyncio.Event | None = None, chat_template: str | None = None,
+                     tool_call_parser: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or stop_event), then drain: stop listening, answer new
     requests on open connections with 503, let in-flight ones finish within grace_period_s
     (a second signal cuts it short), cancel the rest (which aborts their engine requests)
@@ -254,7 +267,8 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
     already) and return 1, so the process exits non-zero."""
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
                     max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes,
-                    max_prompt_chars=max_prompt_chars)
+                    max_prompt_chars=max_prompt_chars, chat_template=chat_template,
+                    tool_call_parser=tool_call_parser)
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None)

@@ -8,10 +8,13 @@ envelope; the server turns it into a response.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 
+from serving.core import request_checks
+from serving.core.request_checks import RequestRefused, fit_max_tokens
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -20,7 +23,8 @@ MAX_TOP_K = 2 ** 31 - 1  # the sampler's top_k is int32; larger means "off" anyw
 # ASCII digits only ("²".isdigit() is true, int("²") fails) and few of them (int() refuses
 # thousands); any id this long is outside every vocabulary and is refused later anyway.
 _TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,18}\s*")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -271,24 +275,60 @@ def _content(message: dict, i: int) -> str:
     raise _bad("messages", "messages whose content is a string or a list of text parts", content)
 
 
+def _tool_calls(message: dict, i: int) -> list[dict]:
+    """An assistant message's tool_calls, their arguments parsed: chat templates write them
+    as JSON objects."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise ProtocolError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str)
+                and call.get("type", "function") == "function"
+                and isinstance(call.get("id", ""), str)):
+            raise ProtocolError(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': "
+                                "'function', 'function': {'name', 'arguments': a JSON "
+                                "string}}", param="messages")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise ProtocolError(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                                "valid JSON", param="messages") from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
 def _messages(value) -> list[dict]:
     if not (isinstance(value, list) and value):
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
+        role = message.get("role") if isinstance(message, dict) else message
+        if not (isinstance(role, str) and role in ROLES):  # a dict role is unhashable
+            shown = repr(role) if len(repr(role)) <= 80 else repr(role)[:77] + "..."
             raise ProtocolError(f"messages[{i}].role must be one of {sorted(ROLES)}, "
-                                f"got {role!r}", param="messages")
-        out.append({"role": ROLES[message["role"]], "content": _content(message, i)})
+                                f"got {shown}", param="messages")
+        parsed = {"role": ROLES[role], "content": _content(message, i)}
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ProtocolError(f"messages[{i}]: a tool message needs 'tool_call_id' "
+                                    "(a string)", param="messages")
+            parsed["tool_call_id"] = message["tool_call_id"]
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ProtocolError(f"messages[{i}]: only assistant messages carry "
+                                    "tool_calls", param="messages")
+            parsed["tool_calls"] = _tool_calls(message, i)
+        out.append(parsed)
     return out
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
     model, stream, include_usage = _common(body)
     messages = _messages(body.get("messages"))
-    if body.get("tools"):
-        raise _unsupported("tools", "tool calling")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _unsupported("response_format", "response_format other than text")
@@ -307,27 +347,30 @@ def parse_chat_request(body: dict) -> ChatRequest:
                        top_logprobs or 0, opt_bool(body, "add_generation_prompt", True), param)
 
 
+def refused(e: RequestRefused) -> ProtocolError:
+    """A core rule's refusal as an OpenAI 400."""
+    return ProtocolError(str(e), param=e.param, code=e.code)
+
+
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
                   prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
     """Returns the effective max_tokens (what is left of the context when None)."""
-    if num_prompt_tokens >= max_model_len:
-        raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, which leaves no room for a completion.",
-            param=prompt_param, code="context_length_exceeded")
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
-            f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
-    return max_tokens
+    try:
+        return fit_max_tokens(num_prompt_tokens, max_tokens, max_model_len,
+                              prompt_param=prompt_param, max_tokens_param=max_tokens_param)
+    except RequestRefused as e:
+        raise refused(e) from None
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ProtocolError(f"token id {bad} in '{param}' is outside the vocabulary "
-                            f"(size {vocab_size})", param=param)
+    try:
+        request_checks.check_token_ids(ids, vocab_size, param)
+    except RequestRefused as e:
+        raise refused(e) from None
+
+
+def check_request_token_ids(ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    try:
+        request_checks.check_request_token_ids(ids, params, vocab_size)
+    except RequestRefused as e:
+        raise refused(e) from None

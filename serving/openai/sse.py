@@ -1,6 +1,6 @@
 """From engine outputs to OpenAI responses: one engine request per prompt, whose n samples
 are the prompt's choices, merged into one stream of updates, then written as SSE chunks or
-collected into one JSON response. Also the token texts for logprobs.
+collected into one JSON response.
 
 Lifetime rule: whatever way a response ends (finished, error, client gone, handler
 cancelled), every engine generator is closed, which aborts its engine request and frees its
@@ -11,22 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
-import re
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from serving.openai import protocol as p
 from serving.openai import responses
+from serving.openai.token_texts import TokenTexts
+from serving.openai.tool_parsers import ToolCallParser, parser_for
+from serving.openai.tools import ToolChoice
 from serving.engine.async_engine import EngineDeadError
-from serving.core.outputs import RequestOutput, TokenLogprob
+from serving.core.request_checks import RequestRefused
+from serving.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from serving.core.sampling_params import SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # tell reverse proxies not to buffer the stream
-_END = object()
 
 
 def sse_event(obj: dict) -> bytes:
@@ -49,84 +50,68 @@ class Choice:
 
 
 class OutputStream:
-    """Runs the choices' engine requests concurrently and hands out (choice, output) pairs
-    in arrival order; `get()` returns None once every request has finished.
+    """Runs the choices' engine requests (one per prompt, its n samples the choices)
+    concurrently and hands out (choice, output) pairs in arrival order; `get()` returns None
+    once every sample has finished.
 
-    Every request is submitted when the stream is built, before the caller awaits anything,
-    so the engine's queue length (admission control) counts it at once."""
+    All of them deliver into one queue, filled from the engine thread: the one hop between
+    the engine and this response (docs/architecture.md, "A request's path"). Every request is
+    submitted when the stream is built, before the caller awaits anything, so the engine's
+    queue length (admission control) counts it at once."""
 
     def __init__(self, engine, metrics, choices: list[Choice], arrival: float):
-        self._metrics, self._arrival = metrics, arrival
         self._queue: asyncio.Queue = asyncio.Queue()
-        requests: dict[str, list[Choice]] = {}
-        for c in choices:
-            requests.setdefault(c.request_id, []).append(c)
-        self._open = len(requests)
-        self._gens = []
+        # Keyed by (request id, sample index): one choice, one tracker per sample.
+        self._choices = {(c.request_id, c.sample_index): c for c in choices}
+        self._trackers = {key: metrics.track(len(c.prompt_ids), arrival)
+                          for key, c in self._choices.items()}
+        self._queue_times: dict[tuple[str, int], float | None] = {}
+        self._streams = {}
         try:
-            for samples in requests.values():
-                c = samples[0]
-                self._gens.append(engine.generate(c.prompt_ids, c.params, c.request_id))
+            for c in choices:
+                if c.request_id not in self._streams:
+                    self._streams[c.request_id] = engine.generate(
+                        c.prompt_ids, c.params, c.request_id, queue=self._queue)
         except BaseException:
-            for gen in self._gens:  # withdraw the ones already submitted
-                _close_now(gen)
+            for stream in self._streams.values():  # withdraw the ones already submitted
+                stream.close()
             raise
-        self._tasks = [asyncio.create_task(self._pump(samples, gen))
-                       for samples, gen in zip(requests.values(), self._gens)]
-
-    async def _pump(self, samples: list[Choice], gen) -> None:
-        """One engine request: its outputs go to the choice of their sample."""
-        by_index = {c.sample_index: c for c in samples}
-        trackers = {i: self._metrics.track(len(c.prompt_ids), self._arrival)
-                    for i, c in by_index.items()}
-        queue_times = {}  # the engine reports it on a sample's first update only
-        try:
-            async for out in gen:
-                choice, tracker = by_index[out.index], trackers[out.index]
-                if queue_times.get(out.index) is None:
-                    queue_times[out.index] = getattr(out, "queue_time", None)
-                tracker.on_output(len(out.new_token_ids))
-                if out.finished:
-                    tracker.on_finish(out.finish_reason, queue_times[out.index])
-                self._queue.put_nowait((choice, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which decides
-            for tracker in trackers.values():
-                if tracker.last is None:
-                    tracker.done = True  # refused before it ran: not a finished request
-            self._queue.put_nowait((samples[0], e))
-        finally:
-            for tracker in trackers.values():
-                tracker.on_finish("abort")  # no-op when it finished
-            try:
-                await gen.aclose()  # aborts the engine request if it is still running
-            finally:
-                self._queue.put_nowait((samples[0], _END))
+        self._open = set(self._choices)
 
     async def get(self) -> tuple[Choice, RequestOutput] | None:
         while self._open:
-            choice, item = await self._queue.get()
-            if item is _END:
-                self._open -= 1
-            elif isinstance(item, Exception):
+            request_id, item = await self._queue.get()
+            if isinstance(item, Exception):
+                samples = [key for key in self._open if key[0] == request_id]
+                if not samples:
+                    continue
+                self._streams[request_id].take(item)
+                for key in samples:
+                    self._open.discard(key)
+                    if self._trackers[key].last is None:
+                        self._trackers[key].done = True  # refused before it ran
                 raise item
-            else:
-                return choice, item
+            key = (request_id, item.index)
+            if key not in self._open:
+                continue  # after its end (e.g. an abort racing the last step)
+            self._streams[request_id].take(item)
+            tracker = self._trackers[key]
+            if key not in self._queue_times:  # the engine sends it on the first update
+                self._queue_times[key] = item.queue_time
+            tracker.on_output(len(item.new_token_ids))
+            if item.finished:
+                self._open.discard(key)
+                tracker.on_finish(item.finish_reason, self._queue_times[key])
+            return self._choices[key], item
         return None
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for gen in self._gens:  # a task cancelled before it started never closed its own
-            _close_now(gen)
-
-
-def _close_now(gen) -> None:
-    """Closes an engine stream without awaiting: AsyncEngine's streams close synchronously;
-    a plain async generator that never started has nothing to clean up."""
-    close = getattr(gen, "close", None)
-    if close is not None:
-        close()
+        """Aborts every request still running (client gone, error, cancelled handler)."""
+        for request_id in {key[0] for key in self._open}:
+            self._streams[request_id].close()
+        for key in self._open:
+            self._trackers[key].on_finish("abort")
+        self._open.clear()
 
 
 def engine_failure(out: RequestOutput) -> p.ProtocolError | None:
@@ -139,6 +124,8 @@ def engine_exception(exc: Exception) -> p.ProtocolError:
     """An exception from engine.generate: ValueError means the scheduler refused it."""
     if isinstance(exc, p.ProtocolError):
         return exc
+    if isinstance(exc, RequestRefused):
+        return p.refused(exc)
     if isinstance(exc, ValueError):
         return p.ProtocolError(str(exc))
     if isinstance(exc, EngineDeadError):
@@ -173,7 +160,7 @@ async def cancel_on_disconnect(request: web.Request, interval_s: float = 0.5):
 class _Format:
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, texts: "TokenTexts | None",
+    def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
                  include_usage: bool):
         self.request_id, self.model, self.texts = request_id, model, texts
         self.include_usage = include_usage
@@ -198,19 +185,19 @@ class CompletionFormat(_Format):
         return [responses.completion_chunk(self.request_id, self.model, self.created, choice.index,
                                    choice.prompt_text, include_usage=self.include_usage)]
 
-    def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict]:
         entries = self.entries(out.new_logprobs)
         if not (out.new_text or out.finished or entries):
-            return None
+            return []
         logprobs = None if entries is None else responses.completion_logprobs(entries, choice.text_offset)
         choice.text_offset += len(out.new_text)
-        return responses.completion_chunk(
+        return [responses.completion_chunk(
             self.request_id, self.model, self.created, choice.index, out.new_text,
             out.finish_reason if out.finished else None, logprobs,
-            out.stop_reason if out.finished else None, include_usage=self.include_usage)
+            out.stop_reason if out.finished else None, include_usage=self.include_usage)]
 
-    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
-        entries = self.entries(logprobs)
+    def choice(self, choice: Choice, out: CompletionOutput) -> dict:
+        entries = self.entries(out.logprobs)
         lp = None if entries is None else responses.completion_logprobs(entries, len(choice.prompt_text))
         return responses.completion_choice(choice.index, choice.prompt_text + out.text,
                                    out.finish_reason, lp, out.stop_reason)
@@ -222,58 +209,95 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
+                 include_usage: bool, tools: ToolChoice | None = None,
+                 tool_parser: str | None = None):
+        super().__init__(request_id, model, texts, include_usage)
+        self.tools, self.tool_parser = tools or ToolChoice(), tool_parser
+        self._parsers: dict[int, ToolCallParser | None] = {}
+
     def opening(self, choice: Choice) -> list[dict]:
         return [responses.chat_chunk(self.request_id, self.model, self.created, choice.index,
                              {"role": "assistant", "content": ""},
                              include_usage=self.include_usage)]
 
-    def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
-        entries = self.entries(out.new_logprobs)
-        if not (out.new_text or out.finished or entries):
-            return None
-        delta = {"content": out.new_text} if out.new_text else {}
-        logprobs = None if entries is None else responses.chat_logprobs(entries)
-        return responses.chat_chunk(self.request_id, self.model, self.created, choice.index, delta,
-                            out.finish_reason if out.finished else None, logprobs,
-                            out.stop_reason, include_usage=self.include_usage)
+    def _parser(self, choice: Choice) -> ToolCallParser | None:
+        if choice.index not in self._parsers:
+            self._parsers[choice.index] = parser_for(self.tools, self.tool_parser)
+        return self._parsers[choice.index]
 
-    def choice(self, choice: Choice, out: RequestOutput, logprobs: list[TokenLogprob]) -> dict:
-        entries = self.entries(logprobs)
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict]:
+        entries = self.entries(out.new_logprobs)
+        content, calls, parser = out.new_text, [], self._parser(choice)
+        if parser is not None:
+            content, calls = parser.feed(out.new_text)
+            if out.finished:
+                more, last = parser.finish()
+                content, calls = content + more, calls + last
+        if not (content or calls or out.finished or entries):
+            return []
+        logprobs = None if entries is None else responses.chat_logprobs(entries)
+        # One tool-call delta per chunk, each after the content it follows.
+        deltas = [{"content": content}] if content else []
+        deltas += [{"tool_calls": [call]} for call in calls]
+        deltas = deltas or [{}]
+        finish = _finish_reason(parser, out.finish_reason) if out.finished else None
+        chunks = []
+        for i, delta in enumerate(deltas):  # logprobs on the first, finish_reason on the last
+            last = i == len(deltas) - 1
+            chunks.append(responses.chat_chunk(
+                self.request_id, self.model, self.created, choice.index, delta,
+                finish if last else None, logprobs if i == 0 else None, out.stop_reason,
+                include_usage=self.include_usage))
+        return chunks
+
+    def choice(self, choice: Choice, out: CompletionOutput) -> dict:
+        entries = self.entries(out.logprobs)
         lp = None if entries is None else responses.chat_logprobs(entries)
-        return responses.chat_choice(choice.index, out.text, out.finish_reason, lp, out.stop_reason)
+        parser = parser_for(self.tools, self.tool_parser)
+        if parser is None:
+            return responses.chat_choice(choice.index, out.text, out.finish_reason, lp,
+                                         out.stop_reason)
+        parser.feed(out.text)
+        parser.finish()
+        return responses.chat_choice(choice.index, parser.content if not parser.calls
+                                     or parser.content.strip() else None,
+                                     _finish_reason(parser, out.finish_reason), lp,
+                                     out.stop_reason, parser.calls or None)
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         return responses.chat_response(self.request_id, self.model, self.created, choices, usage)
 
 
-def count_usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
+def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
+    return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
+
+
+def count_usage(choices: list[Choice], num_tokens: dict[int, int]) -> dict:
     """Prompt tokens once per prompt (not once per choice), as OpenAI counts."""
     prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
-    completion = sum(len(out.token_ids) for out in finals.values())
-    return responses.usage(sum(prompts.values()), completion)
+    return responses.usage(sum(prompts.values()), sum(num_tokens.values()))
 
 
 # -- writing -------------------------------------------------------------------------------
 
-def _check_all_finished(choices: list[Choice], finals: dict[int, RequestOutput]) -> None:
-    if len(finals) != len(choices):
+def _check_all_finished(choices: list[Choice], finished: set[int]) -> None:
+    if len(finished) != len(choices):
         raise p.ProtocolError("the engine ended a request without a final output", status=500)
 
 
 async def collect(stream: OutputStream, fmt: _Format, choices: list[Choice]) -> dict:
     """Non-streaming: wait for every choice, then one JSON body with usage."""
-    finals: dict[int, RequestOutput] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in choices}
+    results = {c.index: CompletionOutput(logprobs=[]) for c in choices}
     while (item := await stream.get()) is not None:
         choice, out = item
-        logprobs[choice.index].extend(out.new_logprobs or [])
         if (failure := engine_failure(out)) is not None:
             raise failure
-        if out.finished:
-            finals[choice.index] = out
-    _check_all_finished(choices, finals)
-    body = [fmt.choice(c, finals[c.index], logprobs[c.index]) for c in choices]
-    return fmt.response(body, count_usage(choices, finals))
+        results[choice.index].add(out)
+    _check_all_finished(choices, {i for i, r in results.items() if r.finished})
+    body = [fmt.choice(c, results[c.index]) for c in choices]
+    return fmt.response(body, count_usage(choices, {i: len(r.token_ids)
+                                                    for i, r in results.items()}))
 
 
 async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
@@ -285,7 +309,8 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
         raise failure
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    finals: dict[int, RequestOutput] = {}
+    num_tokens = {c.index: 0 for c in choices}
+    finished: set[int] = set()
     try:
         for choice in choices:
             for chunk in fmt.opening(choice):
@@ -295,14 +320,15 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
             choice, out = item
             if (failure := engine_failure(out)) is not None:
                 raise failure
-            if (chunk := fmt.chunk(choice, out)) is not None:
+            for chunk in fmt.chunks(choice, out):
                 await response.write(sse_event(chunk))
+            num_tokens[choice.index] += len(out.new_token_ids)
             if out.finished:
-                finals[choice.index] = out
+                finished.add(choice.index)
             item = await stream.get()
-        _check_all_finished(choices, finals)
+        _check_all_finished(choices, finished)
         if fmt.include_usage:
-            await response.write(sse_event(fmt.usage_chunk(count_usage(choices, finals))))
+            await response.write(sse_event(fmt.usage_chunk(count_usage(choices, num_tokens))))
     except (asyncio.CancelledError, ConnectionResetError):
         raise  # the client is gone: nothing more to write; the caller closes the stream
     except Exception as exc:  # noqa: BLE001 - the status is already 200: report in-band
@@ -311,70 +337,3 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
     await response.write(SSE_DONE)
     await response.write_eof()
     return response
-
-
-# -- token texts for logprobs ----------------------------------------------------------------
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's reversible byte <-> printable character map, char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class TokenTexts:
-    """Token id -> (text, exact bytes), as OpenAI's logprobs show tokens. A token that is
-    not valid UTF-8 on its own (part of a character) is shown as 'bytes:\\xe4\\xbd'."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._alphabet = (_byte_level_alphabet()
-                          if "ByteLevel" in repr(getattr(backend, "decoder", None)) else None)
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._added = {i: t.content for i, t in added.items()}
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def _bytes(self, token_id: int) -> bytes:
-        if token_id in self._added:
-            return self._added[token_id].encode()
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if piece is None:
-            return b""
-        if self._alphabet is not None and all(c in self._alphabet for c in piece):
-            return bytes(self._alphabet[c] for c in piece)
-        if m := _BYTE_TOKEN.fullmatch(piece):
-            return bytes([int(m.group(1), 16)])
-        if "▁" in piece:  # SentencePiece's word boundary marker is a space
-            return piece.replace("▁", " ").encode()
-        return self.tokenizer.convert_tokens_to_string([piece]).encode()
-
-    def get(self, token_id: int) -> tuple[str, list[int]]:
-        if token_id not in self._cache:
-            raw = self._bytes(token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            self._cache[token_id] = (text, list(raw))
-        return self._cache[token_id]
-
-    def entry(self, lp: TokenLogprob) -> responses.LogprobEntry:
-        text, raw = self.get(lp.token_id)
-        top = [(*self.get(t), _finite(v)) for t, v in lp.top]
-        return responses.LogprobEntry(text, raw, _finite(lp.logprob), top)
-
-
-def _finite(x: float) -> float:
-    """JSON has no -Infinity: a masked token's logprob is shown as vLLM shows it."""
-    return x if math.isfinite(x) else -9999.0
