@@ -129,3 +129,13 @@ def test_multi_turn_chat_over_http_is_the_same_without_the_cache(demo_checkpoint
         uncached = chat_turns(server)
         assert metric(metrics(server.port), "xlaserve:prefix_cache_hits_total") == 0
     assert cached == uncached and all(cached)
+
+
+def test_cli_flags_turn_prefix_caching_and_the_stats_line_on_and_off():
+    from serving.cli import _engine_config, build_parser
+    parse = build_parser().parse_args
+    assert _engine_config(parse(["serve"])).enable_prefix_caching
+    assert not _engine_config(parse(["serve", "--no-enable-prefix-caching"])).enable_prefix_caching
+    assert _engine_config(parse(["serve", "--enable-prefix-caching"])).enable_prefix_caching
+    assert not parse(["serve"]).disable_log_stats and parse(
+        ["serve", "--disable-log-stats"]).disable_log_stats
