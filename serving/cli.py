@@ -66,6 +66,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top logprobs a request may ask per token (logprobs, "
                         "prompt_logprobs); each compiled step computes this many")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV cache of prompt prefixes seen before "
+                                      "(default: on)")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -120,7 +123,9 @@ def _engine_config(args) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                  seed=args.seed, max_logprobs=args.max_logprobs, token_buckets=args.token_buckets,
+                  seed=args.seed, max_logprobs=args.max_logprobs,
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
@@ -145,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 503 while this many requests wait for a slot")
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats line (throughput, KV cache, prefix cache hits)")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template (a file, or the template itself) instead "
                             "of the tokenizer's (default for the demo model: "
@@ -200,7 +207,7 @@ def main(argv=None) -> int:
 async def _serve(engine, args, chat: tuple[str | None, str | None], started: float) -> int:
     from serving.openai.api_server import run_server
     from serving.engine.async_engine import AsyncEngine
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
     name = args.served_model_name or (_model(args) or "SmolLM2-135M-Instruct")
     chat_template, tool_call_parser = chat
     server = asyncio.create_task(run_server(

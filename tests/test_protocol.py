@@ -63,6 +63,7 @@ COMMON_BAD = [  # (field, value, param): rejected by both endpoints
     ("stream_options", {"include_usage": True}, "stream_options"),  # without stream
     ("model", 3, "model"), ("best_of", 3, "best_of"),
     ("skip_special_tokens", False, "skip_special_tokens"),
+    ("cache_salt", "", "cache_salt"), ("cache_salt", 7, "cache_salt"),
 ]
 
 
@@ -168,13 +169,14 @@ def test_completion_request_maps_to_sampling_params():
                       presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                       logit_bias={"7": -100, "9": 2.5}, logprobs=2, ignore_eos=True,
                       stream=True, stream_options={"include_usage": True}, user="u",
-                      some_future_field={"x": 1})
+                      some_future_field={"x": 1}, cache_salt="tenant-1")
     assert req.prompts == ["a", "b"] and req.stream and req.include_usage and not req.echo
     assert req.params == SamplingParams(
         n=3, temperature=0.0, top_p=0.9, top_k=0, min_p=0.1, seed=5, max_tokens=7,
         stop=["END"], stop_token_ids=[2], ignore_eos=True, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={7: -100.0, 9: 2.5},
-        logprobs=2)
+        logprobs=2, cache_salt="tenant-1")
+    assert _chat(cache_salt="s").params.cache_salt == "s"
     assert _completion().params == SamplingParams(max_tokens=16)
     assert _completion(prompt=[1, 2]).prompts == [[1, 2]]
     assert _completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
@@ -271,6 +273,8 @@ class Stats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.25
     num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class FakeEngine:
@@ -296,7 +300,8 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     def generate(self, prompt_token_ids, params, request_id, queue):
-        """Like AsyncEngine.generate: (request_id, output or exception) items into queue."""
+        """Like AsyncEngine.generate: (request_id, output or exception) items into queue;
+        the n samples one after another, each ending with a finished output."""
         stream = FakeStream(self, request_id)
         stream.task = asyncio.create_task(self._produce(prompt_token_ids, params, request_id,
                                                         queue, stream))
@@ -310,6 +315,15 @@ class FakeEngine:
         if self.hold is not None:
             self.hold[0].set()
             await self.hold[1].wait()
+        for index in range(params.n):
+            if not await self._sample(prompt_token_ids, params, request_id, queue, index):
+                stream.ended = True
+                return
+        stream.ended = True
+        self.finished.append(request_id)
+
+    async def _sample(self, prompt_token_ids, params, request_id, queue, index) -> bool:
+        """One sample's outputs; False if it ended in an error."""
         out_ids = list(self.script if self.script is not None
                        else reversed(prompt_token_ids))[:params.max_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -319,11 +333,10 @@ class FakeEngine:
                 await asyncio.Event().wait()
             await asyncio.sleep(0)
             if k == self.fail_after:
-                stream.ended = True
                 queue.put_nowait((request_id, RequestOutput(
                     request_id, prompt_token_ids, finished=True, finish_reason="error",
-                    error="device on fire")))
-                return
+                    error="device on fire", index=index)))
+                return False
             new_text, stop = detok.add([tid])
             last = stop is not None or k == len(out_ids) - 1
             if last and stop is None:
@@ -337,17 +350,15 @@ class FakeEngine:
             if params.logprobs is not None:
                 top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
                 new_lp = [TokenLogprob(tid, -0.5, top)]
-            if last:
-                stream.ended = True
-                self.finished.append(request_id)
             queue.put_nowait((request_id, RequestOutput(
                 request_id, prompt_token_ids, [tid], new_text, new_lp, finished=last,
                 # A scripted output ends as if the model wrote EOS after it.
                 finish_reason=("stop" if stop or self.script is not None else "length")
                 if last else None,
-                stop_reason=stop, prompt_logprobs=prompt_lps)))
+                stop_reason=stop, prompt_logprobs=prompt_lps, index=index)))
             if last:
-                return
+                return True
+        return True
 
 
 class FakeStream:
@@ -420,9 +431,9 @@ def test_completions_non_stream(engine, tokenizer):
             assert all(c["finish_reason"] == "length" for c in body["choices"])
             n_prompt = [len(tokenizer.encode(t)) for t in ("hello world", "the fox")]
             assert body["usage"] == responses.usage(sum(n_prompt), sum(min(4, n) * 2 for n in n_prompt))
-            seeds = [params.seed for _, _, params in engine.requests]
-            assert seeds == [7, 8, 7, 8] and all(prm.n == 1 for _, _, prm in engine.requests)
-            assert len({rid for rid, _, _ in engine.requests}) == 4
+            # one engine request per prompt; the engine runs its n samples
+            assert [(prm.n, prm.seed) for _, _, prm in engine.requests] == [(2, 7), (2, 7)]
+            assert len({rid for rid, _, _ in engine.requests}) == 2
     run(go())
 
 
@@ -761,7 +772,7 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
             before = await (await client.get("/metrics")).text()
             assert 'xlaserve:generation_tokens_total{model_name="tiny-test"} 0.0' in before
             await client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
-            engine.stats_ = Stats(3, 1, 0.5, 4)
+            engine.stats_ = Stats(3, 1, 0.5, 4, prefix_cache_queries=120, prefix_cache_hits=96)
             r = await client.get("/metrics")
             assert r.headers["Content-Type"].startswith("text/plain")
             text = await r.text()
@@ -770,6 +781,8 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
                          'xlaserve:num_requests_waiting{model_name="tiny-test"} 1.0',
                          'xlaserve:kv_cache_usage_perc{model_name="tiny-test"} 0.5',
                          'xlaserve:num_preemptions_total{model_name="tiny-test"} 4.0',
+                         'xlaserve:prefix_cache_queries_total{model_name="tiny-test"} 120.0',
+                         'xlaserve:prefix_cache_hits_total{model_name="tiny-test"} 96.0',
                          'xlaserve:request_success_total{finished_reason="length",'
                          'model_name="tiny-test"} 1.0',
                          'xlaserve:time_to_first_token_seconds_count{model_name="tiny-test"} 1.0',
@@ -800,12 +813,12 @@ def test_non_stream_disconnect_aborts_all_choices(engine):
         engine.block_after = 1
         async with serve(engine) as client:
             task = asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": "hello world", "max_tokens": 5, "n": 3}))
-            while len(engine.requests) < 3:
+                "prompt": ["hello world", "the fox"], "max_tokens": 5, "n": 3}))
+            while len(engine.requests) < 2:  # one engine request (of 3 samples) per prompt
                 await asyncio.sleep(0.01)
             task.cancel()  # closes the connection
             for _ in range(500):
-                if len(engine.aborted) == 3:
+                if len(engine.aborted) == 2:
                     break
                 await asyncio.sleep(0.01)
             assert sorted(engine.aborted) == sorted(rid for rid, _, _ in engine.requests)

@@ -43,6 +43,7 @@ class EngineConfig:
         default_factory=lambda: str(default_cache_root() / "jax-cache"))
     seed: int = 0  # draws the seeds of requests that bring none
     max_logprobs: int = 20  # cap on logprobs and prompt_logprobs per token (vLLM's name)
+    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
     progress: bool = True
 
     @classmethod

@@ -34,6 +34,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None; on the first
     # update only (the prefill computed them all by then).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n samples this update belongs to
 
 
 @dataclass

@@ -31,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # Keeps this request's prefix-cache entries apart from requests with another salt.
+    cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
@@ -91,3 +93,5 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or (isinstance(value, int) and not isinstance(value, bool)
                                     and value >= 0), name, "None or a non-negative integer")
+        check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+              "cache_salt", "a non-empty string")

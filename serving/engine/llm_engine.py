@@ -27,6 +27,7 @@ from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
+from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
 from serving.core.request_checks import check_logprobs, check_request_token_ids
@@ -43,6 +44,8 @@ class _State:
     detokenizer: IncrementalDetokenizer | None
     num_emitted: int = 0  # output tokens already sent
     prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
+    parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
+    index: int = 0  # which of the parent's n samples
 
 
 @dataclass
@@ -101,10 +104,12 @@ class LLMEngine:
         self.kv_cache_bytes = self.num_pages * page_bytes
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
-            self.num_pages))
+            self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
+            model_key=_model_key(self.model_dir, ec)))
         self.runner.allocate_kv_cache(self.num_pages)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, _State] = {}  # by the sample's own request id
+        self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
@@ -128,7 +133,8 @@ class LLMEngine:
                 f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
                 f"{self.config.page_size} tokens; attention {self.attention_backend}; max_model_len {self.max_model_len}; buckets: "
                 f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
-                f"-> {len(self.step_shapes)} programs"
+                f"-> {len(self.step_shapes)} programs; prefix caching "
+                f"{'on' if self.config.enable_prefix_caching else 'off'}"
                 + (f"; {self.memory_plan.describe()}" if self.memory_plan else ""))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -136,28 +142,64 @@ class LLMEngine:
         """Queues a request; raises ValueError if it can never run."""
         check_request_token_ids(prompt_token_ids, params, self.vocab_size)
         check_logprobs(params, self.config.max_logprobs)
+        parent = ParentRequest.expand(request_id, prompt_token_ids, params, self._make_request)
+        first, *rest = parent.children
+        if any(c.request_id in self._states for c in rest):  # held ones: not in the scheduler
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add_request(first)  # the rest cannot fail after this
+        if self.scheduler.config.enable_prefix_caching:
+            parent.held = rest  # they join once the first has computed the shared prompt
+        else:
+            for child in rest:
+                self.scheduler.add_request(child)
+        for i, child in enumerate(parent.children):
+            p = child.sampling_params
+            detok = self.tokenizer and IncrementalDetokenizer(
+                self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output)
+            prompt_lps = (None if p.prompt_logprobs is None else
+                          PromptLogprobsCollector(child.prompt_token_ids, p.prompt_logprobs))
+            self._states[child.request_id] = _State(child, detok, prompt_logprobs=prompt_lps,
+                                                    parent_id=request_id, index=i)
+        if rest:
+            self._parents[request_id] = parent
+
+    def _make_request(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
-        detok = self.tokenizer and IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
-        self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
-        prompt_lps = (None if params.prompt_logprobs is None else
-                      PromptLogprobsCollector(req.prompt_token_ids, params.prompt_logprobs))
-        self._states[request_id] = _State(req, detok, prompt_logprobs=prompt_lps)
+        return Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                       seed=seed % 2**32)
 
     def abort(self, request_id: str) -> None:
+        """Aborts a request, all n samples of it."""
+        parent = self._parents.pop(request_id, None)
+        for child in parent.children if parent else []:
+            self.scheduler.abort(child.request_id)
+            self._states.pop(child.request_id, None)
         self.scheduler.abort(request_id)
         self._states.pop(request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pending.requests)
+        return (self.scheduler.has_unfinished or bool(self._pending.requests)
+                or any(p.held for p in self._parents.values()))
+
+    def _release_held(self) -> None:
+        """Gives the scheduler the samples whose first sibling has computed the prompt."""
+        for request_id, parent in list(self._parents.items()):
+            if parent.held and parent.ready_to_release():
+                for child in parent.held:
+                    if child.request_id in self._states:
+                        self.scheduler.add_request(child)
+                parent.held = []
+            if all(c.request_id not in self._states for c in parent.children):
+                del self._parents[request_id]
 
     def step(self) -> list[RequestOutput]:
         """One step. An exception from here means the engine's state is lost (the device
         failed, or the scheduler broke): the caller fails every request. A failure that
         belongs to one request (its sampling inputs, its detokenization) ends that request
         with finish_reason "error" and the step goes on."""
+        self._release_held()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._emit_pending()
@@ -188,14 +230,15 @@ class LLMEngine:
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
         self._pending = _Pending()
+        self._parents.clear()
         return [self._fail(request_id, error) for request_id in list(self._states)]
 
     def _fail(self, request_id: str, error: str) -> RequestOutput:
         """Ends one request with an error and frees its pages."""
         st = self._states.pop(request_id)
         self.scheduler.abort(request_id)
-        return RequestOutput(request_id, st.request.prompt_token_ids, finished=True,
-                             finish_reason="error", error=error)
+        return RequestOutput(st.parent_id, st.request.prompt_token_ids, finished=True,
+                             finish_reason="error", error=error, index=st.index)
 
     def _build(self, out: SchedulerOutput):
         if self.faults:
@@ -211,13 +254,13 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - one request's inputs must not fail a batch
             log.error("building a step failed (%s); retrying its requests one by one",
                       type(e).__name__)
-        failed = []
+        failed, gone = [], set()  # outputs carry the caller's id; gone holds the samples'
         for s in out.scheduled:
             try:
                 self._build(SchedulerOutput([s]))
             except Exception as e:  # noqa: BLE001 - this request is at fault
                 failed.append(self._fail_alone(s.request.request_id, "sampling inputs", e))
-        gone = {f.request_id for f in failed}
+                gone.add(s.request.request_id)
         kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
                                out.preempted)
         return kept, (self._build(kept) if kept.scheduled else None), failed
@@ -266,9 +309,18 @@ class LLMEngine:
             prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
         if req.is_finished:
             del self._states[req.request_id]
-        return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, new_text,
+        return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
                              new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
-                             queue_time=queue_time, prompt_logprobs=prompt_logprobs)
+                             queue_time=queue_time, prompt_logprobs=prompt_logprobs,
+                             index=st.index)
+
+
+def _model_key(model_dir: Path, ec: EngineConfig) -> str:
+    """Names the weights in prefix-cache page hashes: K/V of the same tokens differ under
+    other weights, another dtype or another cache format."""
+    seed = ec.seed if ec.load_format == "dummy" else None
+    return (f"{Path(model_dir).resolve()}|{ec.load_format}|{seed}|{ec.dtype}|{ec.quantize}|"
+            f"{ec.kv_cache_dtype}")
 
 
 def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None = None):

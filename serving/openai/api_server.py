@@ -1,6 +1,6 @@
 """The aiohttp OpenAI-compatible server: routes, admission, graceful shutdown.
 
-Handlers validate and tokenize, split a request into one engine request per choice, and
+Handlers validate and tokenize, make one engine request per prompt (of n samples), and
 hand off to `serving.openai.sse` to stream or collect the outputs. `serving.openai.http_guard` wraps every
 handler (error envelope, API key, drain gate, hostile bodies), so every error leaves in
 OpenAI's envelope; nothing a client sends reaches the engine unvalidated or crashes the
@@ -92,16 +92,11 @@ def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: b
 
 def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
              prompt_text: str = "", **echo) -> list[sse.Choice]:
-    """n engine requests for one prompt. A seeded request gets seed + i per choice so that
-    its choices differ from each other yet stay reproducible. echo: sse.Choice's echo_only,
-    echo_logprobs and prompt_logprobs."""
-    out = []
-    for i in range(params.n):
-        seed = None if params.seed is None else params.seed + i
-        one = dataclasses.replace(params, n=1, seed=seed)
-        out.append(sse.Choice(first_index + i, responses.new_id("req"), prompt_ids, one, prompt_index,
-                              prompt_text, **echo))
-    return out
+    """The n choices of one prompt: one engine request whose samples they are. echo:
+    sse.Choice's echo_only, echo_logprobs and prompt_logprobs."""
+    request_id = responses.new_id("req")
+    return [sse.Choice(first_index + i, request_id, prompt_ids, params, prompt_index,
+                       prompt_text, sample_index=i, **echo) for i in range(params.n)]
 
 
 async def _respond(request: web.Request, state: ServerState, choices: list[sse.Choice],
@@ -221,7 +216,8 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     stats = state.engine.stats()
     state.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
-                                   stats.num_preemptions_total)
+                                   stats.num_preemptions_total,
+                                   stats.prefix_cache_queries, stats.prefix_cache_hits)
     response = web.Response(body=state.metrics.render())
     response.headers["Content-Type"] = state.metrics.content_type
     return response

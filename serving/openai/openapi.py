@@ -66,6 +66,8 @@ def _sampling_fields(token_id: dict, model: str) -> dict:
             "description": "token id (a string of digits, inside the vocabulary) -> bias"}),
         "ignore_eos": _bool(),
         "include_stop_str_in_output": _bool(),
+        "cache_salt": _nullable({**NON_EMPTY_STRING, "description": (
+            "prefix-cache entries are shared only between requests with the same salt")}),
         "skip_special_tokens": _bool(enum=[True], description="only true is supported"),
         "spaces_between_special_tokens": _bool(enum=[True],
                                                description="only true is supported"),

@@ -210,7 +210,8 @@ def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         ignore_eos=opt_bool(body, "ignore_eos"),
-        include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"))
+        include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"),
+        cache_salt=opt_str(body, "cache_salt"))
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:

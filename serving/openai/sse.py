@@ -1,6 +1,6 @@
-"""From engine outputs to OpenAI responses: one request's choices run as concurrent engine
-requests, merged into one stream of updates, then written as SSE chunks or collected into
-one JSON response.
+"""From engine outputs to OpenAI responses: one engine request per prompt, whose n samples
+are the prompt's choices, merged into one stream of updates, then written as SSE chunks or
+collected into one JSON response.
 
 Lifetime rule: whatever way a response ends (finished, error, client gone, handler
 cancelled), every engine generator is closed, which aborts its engine request and frees its
@@ -38,11 +38,12 @@ def sse_event(obj: dict) -> bytes:
 
 @dataclass
 class Choice:
-    """One OpenAI choice = one engine request."""
+    """One OpenAI choice = one sample of an engine request (choices of one prompt share
+    the request id)."""
     index: int
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams  # n == 1, max_tokens resolved against the context
+    params: SamplingParams  # the request's: n samples, max_tokens resolved against the context
     prompt_index: int = 0  # which prompt of the request: usage counts each prompt once
     prompt_text: str = ""  # echoed before the completion (completions with echo)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
@@ -50,11 +51,13 @@ class Choice:
     echo_logprobs: bool = False  # echo with logprobs: they cover the prompt, then the rest
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, with this top k
     echo_pending: bool = False  # streaming: the echo waits for the prompt's logprobs
+    sample_index: int = 0  # RequestOutput.index of this choice's sample
 
 
 class OutputStream:
-    """Runs the choices' engine requests concurrently and hands out (choice, output) pairs
-    in arrival order; `get()` returns None once every request has finished.
+    """Runs the choices' engine requests (one per prompt, its n samples the choices)
+    concurrently and hands out (choice, output) pairs in arrival order; `get()` returns None
+    once every sample has finished.
 
     All of them deliver into one queue, filled from the engine thread: the one hop between
     the engine and this response (docs/architecture.md, "A request's path"). Every request is
@@ -63,47 +66,56 @@ class OutputStream:
 
     def __init__(self, engine, metrics, choices: list[Choice], arrival: float):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._choices = {c.request_id: c for c in choices}
-        self._trackers = {c.request_id: metrics.track(len(c.prompt_ids), arrival)
-                          for c in choices}
-        self._queue_times: dict[str, float | None] = {}
+        # Keyed by (request id, sample index): one choice, one tracker per sample.
+        self._choices = {(c.request_id, c.sample_index): c for c in choices}
+        self._trackers = {key: metrics.track(len(c.prompt_ids), arrival)
+                          for key, c in self._choices.items()}
+        self._queue_times: dict[tuple[str, int], float | None] = {}
         self._streams = {}
         try:
             for c in choices:
-                self._streams[c.request_id] = engine.generate(c.prompt_ids, c.params,
-                                                              c.request_id, queue=self._queue)
+                if c.request_id not in self._streams:
+                    self._streams[c.request_id] = engine.generate(
+                        c.prompt_ids, c.params, c.request_id, queue=self._queue)
         except BaseException:
             for stream in self._streams.values():  # withdraw the ones already submitted
                 stream.close()
             raise
-        self._open = set(self._streams)
+        self._open = set(self._choices)
 
     async def get(self) -> tuple[Choice, RequestOutput] | None:
         while self._open:
             request_id, item = await self._queue.get()
-            if request_id not in self._open:
+            if isinstance(item, Exception):
+                samples = [key for key in self._open if key[0] == request_id]
+                if not samples:
+                    continue
+                self._streams[request_id].take(item)
+                for key in samples:
+                    self._open.discard(key)
+                    if self._trackers[key].last is None:
+                        self._trackers[key].done = True  # refused before it ran
+                raise item
+            key = (request_id, item.index)
+            if key not in self._open:
                 continue  # after its end (e.g. an abort racing the last step)
             self._streams[request_id].take(item)
-            tracker = self._trackers[request_id]
-            if isinstance(item, Exception):
-                self._open.discard(request_id)
-                if tracker.last is None:
-                    tracker.done = True  # refused before it ran: not a finished request
-                raise item
-            if request_id not in self._queue_times:  # the engine sends it on the first update
-                self._queue_times[request_id] = item.queue_time
+            tracker = self._trackers[key]
+            if key not in self._queue_times:  # the engine sends it on the first update
+                self._queue_times[key] = item.queue_time
             tracker.on_output(len(item.new_token_ids))
             if item.finished:
-                self._open.discard(request_id)
-                tracker.on_finish(item.finish_reason, self._queue_times[request_id])
-            return self._choices[request_id], item
+                self._open.discard(key)
+                tracker.on_finish(item.finish_reason, self._queue_times[key])
+            return self._choices[key], item
         return None
 
     async def aclose(self) -> None:
         """Aborts every request still running (client gone, error, cancelled handler)."""
-        for request_id in self._open:
+        for request_id in {key[0] for key in self._open}:
             self._streams[request_id].close()
-            self._trackers[request_id].on_finish("abort")
+        for key in self._open:
+            self._trackers[key].on_finish("abort")
         self._open.clear()
 
 
