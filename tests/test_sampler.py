@@ -256,6 +256,6 @@ def test_branch_mode_by_backend_and_both_modes_give_the_same_outputs():
 def test_select_mode_lowers_without_conditionals():
     s = inputs(R, logprobs=True)
     logits = jnp.asarray(random_logits(R))
-    assert "stablehlo.case" in jax.jit(lambda l, s: sample(l, s, "cond")).lower(logits, s).as_text()
-    text = jax.jit(lambda l, s: sample(l, s, "select")).lower(logits, s).as_text()
+    assert "stablehlo.case" in jax.jit(lambda l, s: sample(l, s, mode="cond")).lower(logits, s).as_text()
+    text = jax.jit(lambda l, s: sample(l, s, mode="select")).lower(logits, s).as_text()
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
