@@ -29,6 +29,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # no EOS or stop token before this many output tokens
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
@@ -84,6 +85,12 @@ class SamplingParams:
             k >= 0 and math.isfinite(v) and -100.0 <= v <= 100.0
             for k, v in self.logit_bias.items()),
             "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids mapped to values in [-100, 100]")
+        check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+              and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+              "min_tokens", "an integer in [0, max_tokens]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "a StructuredOutputsParams")
         check(self.logprobs is None or (isinstance(self.logprobs, int)
                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"an integer in [0, {MAX_LOGPROBS}]")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from serving.engine import sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
+from serving.core import grammar as structured
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
@@ -85,12 +87,28 @@ class LLMEngine:
         self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
                                   page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
-                                  kv_cache_dtype=ec.kv_cache_dtype)
+                                  kv_cache_dtype=ec.kv_cache_dtype,
+                                  vocab_size=self.vocab_size)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self._states: dict[str, _State] = {}
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
+        self._grammar_compiler: structured.GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar_compiler(self) -> structured.GrammarCompiler:
+        """Structured outputs' compiler, built on first use (wrapping the tokenizer for
+        llguidance takes most of a second)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise structured.GrammarRefused("structured outputs need a tokenizer",
+                                                    param="structured_outputs")
+                self._grammar_compiler = structured.GrammarCompiler(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
 
     def warmup(self) -> list[float]:
         """Compiles every step shape; returns the seconds each took."""
@@ -113,6 +131,9 @@ class LLMEngine:
         check_request_token_ids(prompt_token_ids, params, self.vocab_size)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammar_compiler.matcher(params.structured_outputs)
+            self.grammar_compiler.fill([req.grammar])
         detok = self.tokenizer and IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
         self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
@@ -144,6 +165,8 @@ class LLMEngine:
         result = self.runner.fetch(handle)
         sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
         changed = self.scheduler.update(out, sampled)
+        for req, error in structured.advance(self._grammar_compiler, changed):
+            outputs.append(self._fail(req.request_id, f"structured output failed: {error}"))
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
@@ -163,7 +186,8 @@ class LLMEngine:
     def _build(self, out: SchedulerOutput):
         if self.faults:
             self.faults.check("sampling", (s.request for s in out.scheduled))
-        return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs)
+        return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs,
+                       self.runner.bitmask_width)
 
     def _prepare(self, out: SchedulerOutput):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot

@@ -24,10 +24,13 @@ from serving.engine.sampler import SampleOutput, SamplingInputs, sample
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, *, layout, cfg: ModelConfig, backend: str):
+def _step(params, cache, buffers, bitmask, *, layout, cfg: ModelConfig, backend: str,
+          vocab_size: int):
     batch, sampling = _unpack(buffers, layout)
     logits, cache = forward(params, cache, Batch(**batch), cfg, backend)
-    return sample(logits, SamplingInputs(**sampling)), cache
+    # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
+    logits = logits[:, :vocab_size]
+    return sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask)), cache
 
 
 # A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
@@ -70,12 +73,18 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-                 attention_backend: str = "reference", kv_cache_dtype: str | None = None):
+                 attention_backend: str = "reference", kv_cache_dtype: str | None = None,
+                 vocab_size: int | None = None):
+        """vocab_size: the ids sampling may produce (the tokenizer's); default: every row."""
         self.cfg = cfg
+        self.vocab_size = vocab_size or cfg.vocab_size
+        self.bitmask_width = (self.vocab_size + 31) // 32
+        self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
         self.params = prepare_params(params)
         self.cache = KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype)
         self.backend = attention_backend
-        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
+        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
+                                       vocab_size=self.vocab_size),
                                donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
 
@@ -88,7 +97,8 @@ class ModelRunner:
         started = time.perf_counter()
         buffers, layout = _pack(example)
         self._compiled[shape] = (self._jitted.lower(
-            self.params, self.cache, buffers, layout=layout).compile(), layout)
+            self.params, self.cache, buffers, self._bitmask(example), layout=layout).compile(),
+            layout)
         return time.perf_counter() - started
 
     def warmup(self, examples: list[StepArrays], progress: bool = True,
@@ -120,12 +130,22 @@ class ModelRunner:
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
-        out, self.cache = program(self.params, self.cache, jax.device_put(buffers))
+        out, self.cache = program(self.params, self.cache, jax.device_put(buffers),
+                                  self._bitmask(arrays))
         out.tokens.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
                 a.copy_to_host_async()
         return out, arrays.wants_logprobs
+
+    def _bitmask(self, arrays: StepArrays):
+        """The step's bitmask, or (no constrained row) a resident one: nothing to send."""
+        if arrays.bitmask is not None:
+            return jax.device_put(arrays.bitmask)
+        R = arrays.shape[1]
+        if R not in self._no_bitmask:
+            self._no_bitmask[R] = jax.device_put(np.full((R, self.bitmask_width), -1, np.int32))
+        return self._no_bitmask[R]
 
     @staticmethod
     def fetch(handle) -> StepResult:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.argmax_cpu import argmax_rows
+from serving.engine.token_bitmask import apply_token_bitmask
 
 NUM_TOP_LOGPROBS = 20  # top logprobs computed when any request asks; each keeps its own count
 
@@ -33,6 +34,9 @@ class SamplingInputs:
     any_filter: jax.Array  # bool[] top-k, top-p or min-p in use
     any_random: jax.Array  # bool[] some row has temperature > 0
     any_logprobs: jax.Array  # bool[]
+    # Constrained rows (structured outputs, min_tokens): serving/engine/token_bitmask.py.
+    any_masked: jax.Array | None = None  # bool[] some row is constrained
+    token_bitmask: jax.Array | None = None  # i32[R, ceil(V / 32)] allowed tokens
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +103,7 @@ def sample(logits, s: SamplingInputs) -> SampleOutput:
     and output index, so a request samples the same tokens whatever else is in the batch.
     A step of greedy requests asking for nothing else takes the argmax alone."""
     R, _ = logits.shape
+    logits = apply_token_bitmask(logits, s.token_bitmask, s.any_masked)
 
     def plain(raw):
         return SampleOutput(argmax_rows(raw), jnp.zeros((R,), jnp.float32),
