@@ -108,7 +108,7 @@ def test_bad_completion_request(fields, param):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_bad_chat_request(fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}

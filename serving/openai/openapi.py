@@ -9,6 +9,7 @@ length) are in the descriptions.
 """
 from __future__ import annotations
 
+from serving.openai import structured_protocol
 from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
 from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -99,7 +100,7 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
         "logprobs": _int(0, MAX_LOGPROBS),
         "echo": _bool(description="not together with logprobs"),
         "suffix": {"type": "null", "description": "not supported"},
-        **sampling}}
+        **sampling, **structured_protocol.openapi_fields("completion")}}
     chat = {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "items": _message(), "minItems": 1},
         "max_tokens": {**max_tokens, "description": "default: what the context leaves"},
@@ -109,9 +110,7 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
         "add_generation_prompt": _bool(),
         "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
                   "description": "tool calling is not supported"},
-        "response_format": _nullable({"type": "object", "required": ["type"],
-                                      "properties": {"type": {"const": "text"}}}),
-        **sampling}}
+        **sampling, **structured_protocol.openapi_fields("chat")}}
     tokenize = {"type": "object", "properties": {
         "model": sampling["model"],
         "prompt": {"type": "string", "description": "required unless messages is given"},
