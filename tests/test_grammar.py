@@ -200,3 +200,20 @@ def test_apply_token_bitmask_matches_numpy():
     np.testing.assert_array_equal(got, np.where(bits, logits, -np.inf))
     same = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask), False))
     np.testing.assert_array_equal(same, logits)
+
+
+def test_structural_tag_constrains_only_inside_the_tag(compiler, tokenizer):
+    import json
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    so = SO(structural_tag=json.dumps({
+        "structures": [{"begin": "<function=f>", "schema": schema, "end": "</function>"}],
+        "triggers": ["<function="]}))
+    m = walk(compiler, tokenizer, so, 'Sure. <function=f>{"a": 1}</function> done')
+    assert m.error is None
+    m = compiler.matcher(so)
+    ids = tokenizer.encode('x <function=f>{"b"', add_special_tokens=False)
+    for t in ids[:-1]:
+        compiler.fill([m])
+        m.accept(t)
+    compiler.fill([m])
+    assert not allowed(m.bitmask, ids[-1])  # '"b"' breaks the schema inside the tag
