@@ -103,7 +103,6 @@ def sample(logits, s: SamplingInputs) -> SampleOutput:
     and output index, so a request samples the same tokens whatever else is in the batch.
     A step of greedy requests asking for nothing else takes the argmax alone."""
     R, _ = logits.shape
-    logits = apply_token_bitmask(logits, s.token_bitmask, s.any_masked)
 
     def plain(raw):
         return SampleOutput(argmax_rows(raw), jnp.zeros((R,), jnp.float32),
@@ -111,11 +110,14 @@ def sample(logits, s: SamplingInputs) -> SampleOutput:
                             jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
 
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
+    if s.token_bitmask is not None:
+        extra = extra | s.any_masked
     return jax.lax.cond(extra, lambda raw: _sample_any(raw, s), plain, logits)
 
 
 def _sample_any(logits, s: SamplingInputs) -> SampleOutput:
     R, V = logits.shape
+    logits = apply_token_bitmask(logits, s.token_bitmask, s.any_masked)  # logprobs see it too
     raw = logits
     logits = jax.lax.cond(s.any_penalty, apply_penalties, lambda l, _: l, logits, s)
     logits = jax.lax.cond(s.any_bias, apply_bias, lambda l, _: l, logits, s)
