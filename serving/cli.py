@@ -15,6 +15,8 @@ import traceback
 from model.config import KV_CACHE_DTYPES
 from serving.core.config import EngineConfig
 
+TOOL_PARSERS = ("hermes", "llama3_json")  # serving/openai/tool_parsers.py
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -76,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 503 while this many requests wait for a slot")
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template (a file, or the template itself) instead "
+                            "of the tokenizer's (default for the demo model: "
+                            "serving/openai/chat_templates/chatml_tools.jinja)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="tool_choice \"auto\" (the default when tools are sent): parse "
+                            "the model's tool calls with --tool-call-parser (on for the demo)")
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                       help="how the model writes tool calls (the demo: hermes)")
     warm = sub.add_parser("warmup", help="compile every bucket into the compilation cache")
     _engine_args(warm)
     return parser
@@ -101,6 +112,7 @@ def main(argv=None) -> int:
     _setup_logging()
     from serving.engine.llm_engine import LLMEngine
     try:
+        chat = _chat_options(args) if args.command == "serve" else None
         engine = LLMEngine(_engine_config(args))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -111,17 +123,19 @@ def main(argv=None) -> int:
         print(f"xlaserve: compiled {len(seconds)} programs ({sum(seconds):.1f} s of compiling) "
               f"in {time.perf_counter() - started:.1f} s in all")
         return 0
-    return asyncio.run(_serve(engine, args, started))
+    return asyncio.run(_serve(engine, args, chat, started))
 
 
-async def _serve(engine, args, started: float) -> int:
+async def _serve(engine, args, chat: tuple[str | None, str | None], started: float) -> int:
     from serving.openai.api_server import run_server
     from serving.engine.async_engine import AsyncEngine
     async_engine = AsyncEngine(engine)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
+    chat_template, tool_call_parser = chat
     server = asyncio.create_task(run_server(
         async_engine, args.host, args.port, served_model_name=name, api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests, grace_period_s=args.grace_period))
+        max_queued_requests=args.max_queued_requests, grace_period_s=args.grace_period,
+        chat_template=chat_template, tool_call_parser=tool_call_parser))
     # /health answers 503 while the programs compile; warm-up runs off the event loop.
     warm = _start_in_background(async_engine)
     try:
@@ -141,6 +155,21 @@ async def _serve(engine, args, started: float) -> int:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
         async_engine.shutdown()
+
+
+def _chat_options(args) -> tuple[str | None, str | None]:
+    """(chat template text or None for the tokenizer's, the tool-call parser for tool_choice
+    "auto" or None). The demo model gets a template with tools and the hermes parser."""
+    from serving.openai.tools import DEMO_CHAT_TEMPLATE, read_chat_template
+    template, parser = args.chat_template, args.tool_call_parser
+    auto = args.enable_auto_tool_choice
+    if args.model is None:
+        template = template or str(DEMO_CHAT_TEMPLATE)
+        if not auto and parser is None:
+            auto, parser = True, "hermes"
+    if auto != (parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return (read_chat_template(template) if template else None), parser
 
 
 def _exit_during_warmup(server: asyncio.Task) -> None:

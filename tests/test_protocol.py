@@ -107,7 +107,13 @@ def test_bad_completion_request(fields, param):
     ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages"),  # unhashable role
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages"),
     ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_bad_chat_request(fields, param):
@@ -245,6 +251,7 @@ class FakeEngine:
         self.fail_after = None  # yield an engine error after this many tokens
         self.aborted_event = asyncio.Event()
         self.hold = None  # (entered, gate) events: a request waits for the gate before its output
+        self.script = None  # token ids every request outputs instead of its reversed prompt
 
     def stats(self):
         return self.stats_
@@ -267,7 +274,8 @@ class FakeEngine:
         if self.hold is not None:
             self.hold[0].set()
             await self.hold[1].wait()
-        out_ids = list(reversed(prompt_token_ids))[:params.max_tokens]
+        out_ids = list(self.script if self.script is not None
+                       else reversed(prompt_token_ids))[:params.max_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output)
         for k, tid in enumerate(out_ids):
@@ -293,7 +301,9 @@ class FakeEngine:
                 self.finished.append(request_id)
             queue.put_nowait((request_id, RequestOutput(
                 request_id, prompt_token_ids, [tid], new_text, new_lp, finished=last,
-                finish_reason=("stop" if stop else "length") if last else None,
+                # A scripted output ends as if the model wrote EOS after it.
+                finish_reason=("stop" if stop or self.script is not None else "length")
+                if last else None,
                 stop_reason=stop)))
             if last:
                 return
@@ -733,7 +743,7 @@ async def _wait_healthy(session, url):
 
 
 def test_token_texts(tokenizer):
-    from serving.openai.sse import TokenTexts
+    from serving.openai.token_texts import TokenTexts
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode("héllo 你好 🙂", add_special_tokens=False)
     raw = b"".join(bytes(texts.get(i)[1]) for i in ids)

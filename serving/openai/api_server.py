@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import signal
 import time
 
@@ -23,13 +24,16 @@ from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_
                                 read_json)
 from serving.openai.metrics import Metrics
 from serving.openai.openapi import openapi_spec
+from serving.core.structured_outputs import StructuredOutputsParams
+from serving.openai.tools import parse_tool_choice
 from serving.openai.server_state import (STATE, ServerState, check_admission, check_prompt_size,
                                   check_queue)
 
 
 def build_app(engine, *, served_model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
-              max_prompt_chars: int | None = None) -> web.Application:
+              max_prompt_chars: int | None = None, chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> web.Application:
     """Best run with handler_cancellation=True (run_server does), so a client that goes away
     cancels its handler at once; without it, disconnects are noticed at the next write or
     within half a second (sse.cancel_on_disconnect)."""
@@ -37,7 +41,8 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, gate_middleware])
     state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
-                        max_queued_requests, max_body_bytes, max_prompt_chars)
+                        max_queued_requests, max_body_bytes, max_prompt_chars, chat_template,
+                        tool_call_parser)
     state.idle.set()
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
@@ -66,14 +71,17 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-              add_special_tokens: bool = False) -> list[int]:
-    check_prompt_size(state, sum(len(m["content"]) for m in messages), "messages")
+              add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+    check_prompt_size(state, size, "messages")
     tokenizer = state.engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise p.ProtocolError("this model has no chat template; use /v1/completions",
                               param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                             chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - templates raise for bad conversations
         raise p.ProtocolError(f"the chat template rejected the messages: {e}",
@@ -116,6 +124,16 @@ async def _respond(request: web.Request, state: ServerState, choices: list[sse.C
         await stream_.aclose()  # aborts whatever is still running: client gone, error, ...
 
 
+def _forced_tool_call(params, tools):
+    """tool_choice "required" or a named function: the output must follow the tools' JSON
+    schema (serving/openai/tools.py), through structured outputs."""
+    if params.structured_outputs is not None:
+        raise p.ProtocolError("a forced tool_choice cannot be combined with response_format "
+                              "or structured outputs", param="tool_choice")
+    return dataclasses.replace(params,
+                               structured_outputs=StructuredOutputsParams(json=tools.schema()))
+
+
 # -- routes --------------------------------------------------------------------------------
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -147,19 +165,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()  # TTFT counts from here, tokenization included (as vLLM)
     state = request.app[STATE]
-    engine, tokenizer = state.engine, state.engine.tokenizer
+    engine = state.engine
     check_admission(state)
     body = await read_json(request)
     req = p.parse_chat_request(body)
+    tools = parse_tool_choice(body, state.tool_call_parser is not None)
     _check_model(state, req.model)
-    await sp.compile_constraint(engine, req.params, body)
-    ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+    ids = _chat_ids(state, req.messages, req.add_generation_prompt, tools=tools.tools)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
     params = sp.with_max_tokens(req.params, max_tokens)
+    if tools.forced:
+        params = _forced_tool_call(params, tools)
+    await sp.compile_constraint(engine, params, body, "tools" if tools.forced else None)
     p.check_request_token_ids(ids, params, engine.vocab_size)
     texts = state.token_texts() if req.logprobs else None
-    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage)
+    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
+                         tools, state.tool_call_parser)
     return await _respond(request, state, _choices(ids, 0, params, 0), fmt, req.stream,
                           arrival)
 
@@ -208,10 +230,13 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     _check_model(state, p.opt_str(body, "model"))
     add_generation_prompt = p.opt_bool(body, "add_generation_prompt", True)  # messages only
+    tools = parse_tool_choice({"tools": body.get("tools")}, auto_enabled=True)
+    if tools.tools and "messages" not in body:
+        raise p.ProtocolError("'tools' go with 'messages'", param="tools")
     if "messages" in body:
         req = p.parse_chat_request({"messages": body["messages"]})
         ids = _chat_ids(state, req.messages, add_generation_prompt,
-                        p.opt_bool(body, "add_special_tokens", False))
+                        p.opt_bool(body, "add_special_tokens", False), tools.tools)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -241,7 +266,8 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
                      served_model_name: str, api_key: str | None = None,
                      max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
                      max_prompt_chars: int | None = None, grace_period_s: float = 30.0,
-                     stop_event: asyncio.Event | None = None) -> int:
+                     stop_event: asyncio.Event | None = None, chat_template: str | None = None,
+                     tool_call_parser: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or stop_event), then drain: stop listening, answer new
     requests on open connections with 503, let in-flight ones finish within grace_period_s
     (a second signal cuts it short), cancel the rest (which aborts their engine requests)
@@ -249,7 +275,8 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
     already) and return 1, so the process exits non-zero."""
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
                     max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes,
-                    max_prompt_chars=max_prompt_chars)
+                    max_prompt_chars=max_prompt_chars, chat_template=chat_template,
+                    tool_call_parser=tool_call_parser)
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None)

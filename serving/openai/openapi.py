@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from serving.openai import structured_protocol
 from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
+from serving.openai.tools import MAX_TOOLS
 from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 NON_EMPTY_STRING = {"type": "string", "minLength": 1}
@@ -75,10 +76,42 @@ def _sampling_fields(token_id: dict, model: str) -> dict:
 def _message() -> dict:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    call = {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "description": "a JSON text"}}}}}
     return {"type": "object", "required": ["role"], "properties": {
         "role": {"enum": sorted(ROLES)},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part},
-                              {"type": "null", "description": "assistant messages only"}]}}}
+                              {"type": "null", "description": "assistant messages only"}]},
+        "tool_calls": _nullable({"type": "array", "items": call,
+                                 "description": "assistant messages only"}),
+        "tool_call_id": {"type": "string", "description": "required in tool messages"}}}
+
+
+def _tools() -> dict:
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
+        "description": _nullable({"type": "string"}),
+        "parameters": _nullable({"type": "object", "description": "a JSON schema of type "
+                                                                  "object"}),
+        "strict": _bool()}}
+    tool = {"type": "object", "required": ["type", "function"],
+            "properties": {"type": {"const": "function"}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}}}}}
+    return {
+        "tools": _nullable({"type": "array", "items": tool, "maxItems": MAX_TOOLS,
+                            "description": "function names unique"}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named],
+                                  "description": "default: auto with tools when the server "
+                                                 "parses tool calls, else none; anything but "
+                                                 "none needs tools; auto needs "
+                                                 "--enable-auto-tool-choice"}),
+        "parallel_tool_calls": _bool()}
 
 
 def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str, dict]:
@@ -108,13 +141,13 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
         "logprobs": _bool(),
         "top_logprobs": _int(0, MAX_LOGPROBS, description="requires logprobs: true"),
         "add_generation_prompt": _bool(),
-        "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
-                  "description": "tool calling is not supported"},
+        **_tools(),
         **sampling, **structured_protocol.openapi_fields("chat")}}
     tokenize = {"type": "object", "properties": {
         "model": sampling["model"],
         "prompt": {"type": "string", "description": "required unless messages is given"},
         "messages": {"type": "array", "items": _message(), "minItems": 1},
+        "tools": _tools()["tools"],
         "add_special_tokens": _bool(),
         "add_generation_prompt": _bool()}}
     detokenize = {"type": "object", "required": ["tokens"], "properties": {

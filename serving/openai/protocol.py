@@ -8,6 +8,7 @@ envelope; the server turns it into a response.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ MAX_TOP_K = 2 ** 31 - 1  # the sampler's top_k is int32; larger means "off" anyw
 # ASCII digits only ("²".isdigit() is true, int("²") fails) and few of them (int() refuses
 # thousands); any id this long is outside every vocabulary and is refused later anyway.
 _TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,18}\s*")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -275,24 +277,60 @@ def _content(message: dict, i: int) -> str:
     raise _bad("messages", "messages whose content is a string or a list of text parts", content)
 
 
+def _tool_calls(message: dict, i: int) -> list[dict]:
+    """An assistant message's tool_calls, their arguments parsed: chat templates write them
+    as JSON objects."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise ProtocolError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str)
+                and call.get("type", "function") == "function"
+                and isinstance(call.get("id", ""), str)):
+            raise ProtocolError(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': "
+                                "'function', 'function': {'name', 'arguments': a JSON "
+                                "string}}", param="messages")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise ProtocolError(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                                "valid JSON", param="messages") from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
 def _messages(value) -> list[dict]:
     if not (isinstance(value, list) and value):
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
+        role = message.get("role") if isinstance(message, dict) else message
+        if not (isinstance(role, str) and role in ROLES):  # a dict role is unhashable
+            shown = repr(role) if len(repr(role)) <= 80 else repr(role)[:77] + "..."
             raise ProtocolError(f"messages[{i}].role must be one of {sorted(ROLES)}, "
-                                f"got {role!r}", param="messages")
-        out.append({"role": ROLES[message["role"]], "content": _content(message, i)})
+                                f"got {shown}", param="messages")
+        parsed = {"role": ROLES[role], "content": _content(message, i)}
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ProtocolError(f"messages[{i}]: a tool message needs 'tool_call_id' "
+                                    "(a string)", param="messages")
+            parsed["tool_call_id"] = message["tool_call_id"]
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ProtocolError(f"messages[{i}]: only assistant messages carry "
+                                    "tool_calls", param="messages")
+            parsed["tool_calls"] = _tool_calls(message, i)
+        out.append(parsed)
     return out
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
     model, stream, include_usage = _common(body)
     messages = _messages(body.get("messages"))
-    if body.get("tools"):
-        raise _unsupported("tools", "tool calling")
     structured_protocol.check_extras(body, "chat")
     logprobs = opt_bool(body, "logprobs")
     top_logprobs = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)

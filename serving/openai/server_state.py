@@ -9,8 +9,8 @@ from aiohttp import web
 
 from serving.openai import protocol as p
 from serving.openai import responses
-from serving.openai import sse
 from serving.openai.metrics import Metrics
+from serving.openai.token_texts import TokenTexts
 
 
 @dataclass
@@ -22,15 +22,17 @@ class ServerState:
     max_queued_requests: int | None = None
     max_body_bytes: int = 1 << 22
     max_prompt_chars: int | None = None  # None: what max_model_len tokens can span
+    chat_template: str | None = None  # None: the tokenizer's own
+    tool_call_parser: str | None = None  # set: tool_choice "auto" parses tool calls with it
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     created: int = field(default_factory=responses.now)
-    _texts: sse.TokenTexts | None = None
+    _texts: TokenTexts | None = None
 
-    def token_texts(self) -> sse.TokenTexts:
+    def token_texts(self) -> TokenTexts:
         if self._texts is None:
-            self._texts = sse.TokenTexts(self.engine.tokenizer)
+            self._texts = TokenTexts(self.engine.tokenizer)
         return self._texts
 
     def prompt_chars_limit(self) -> int:

@@ -1,6 +1,6 @@
 """From engine outputs to OpenAI responses: one request's choices run as concurrent engine
 requests, merged into one stream of updates, then written as SSE chunks or collected into
-one JSON response. Also the token texts for logprobs.
+one JSON response.
 
 Lifetime rule: whatever way a response ends (finished, error, client gone, handler
 cancelled), every engine generator is closed, which aborts its engine request and frees its
@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
-import re
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from serving.openai import protocol as p
 from serving.openai import responses
+from serving.openai.token_texts import TokenTexts
+from serving.openai.tool_parsers import ToolCallParser, parser_for
+from serving.openai.tools import ToolChoice
 from serving.engine.async_engine import EngineDeadError
 from serving.core.request_checks import RequestRefused
 from serving.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -147,7 +148,7 @@ async def cancel_on_disconnect(request: web.Request, interval_s: float = 0.5):
 class _Format:
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, texts: "TokenTexts | None",
+    def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
                  include_usage: bool):
         self.request_id, self.model, self.texts = request_id, model, texts
         self.include_usage = include_usage
@@ -172,16 +173,16 @@ class CompletionFormat(_Format):
         return [responses.completion_chunk(self.request_id, self.model, self.created, choice.index,
                                    choice.prompt_text, include_usage=self.include_usage)]
 
-    def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict]:
         entries = self.entries(out.new_logprobs)
         if not (out.new_text or out.finished or entries):
-            return None
+            return []
         logprobs = None if entries is None else responses.completion_logprobs(entries, choice.text_offset)
         choice.text_offset += len(out.new_text)
-        return responses.completion_chunk(
+        return [responses.completion_chunk(
             self.request_id, self.model, self.created, choice.index, out.new_text,
             out.finish_reason if out.finished else None, logprobs,
-            out.stop_reason if out.finished else None, include_usage=self.include_usage)
+            out.stop_reason if out.finished else None, include_usage=self.include_usage)]
 
     def choice(self, choice: Choice, out: CompletionOutput) -> dict:
         entries = self.entries(out.logprobs)
@@ -196,28 +197,68 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
+                 include_usage: bool, tools: ToolChoice | None = None,
+                 tool_parser: str | None = None):
+        super().__init__(request_id, model, texts, include_usage)
+        self.tools, self.tool_parser = tools or ToolChoice(), tool_parser
+        self._parsers: dict[int, ToolCallParser | None] = {}
+
     def opening(self, choice: Choice) -> list[dict]:
         return [responses.chat_chunk(self.request_id, self.model, self.created, choice.index,
                              {"role": "assistant", "content": ""},
                              include_usage=self.include_usage)]
 
-    def chunk(self, choice: Choice, out: RequestOutput) -> dict | None:
+    def _parser(self, choice: Choice) -> ToolCallParser | None:
+        if choice.index not in self._parsers:
+            self._parsers[choice.index] = parser_for(self.tools, self.tool_parser)
+        return self._parsers[choice.index]
+
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict]:
         entries = self.entries(out.new_logprobs)
-        if not (out.new_text or out.finished or entries):
-            return None
-        delta = {"content": out.new_text} if out.new_text else {}
+        content, calls, parser = out.new_text, [], self._parser(choice)
+        if parser is not None:
+            content, calls = parser.feed(out.new_text)
+            if out.finished:
+                more, last = parser.finish()
+                content, calls = content + more, calls + last
+        if not (content or calls or out.finished or entries):
+            return []
         logprobs = None if entries is None else responses.chat_logprobs(entries)
-        return responses.chat_chunk(self.request_id, self.model, self.created, choice.index, delta,
-                            out.finish_reason if out.finished else None, logprobs,
-                            out.stop_reason, include_usage=self.include_usage)
+        # One tool-call delta per chunk, each after the content it follows.
+        deltas = [{"content": content}] if content else []
+        deltas += [{"tool_calls": [call]} for call in calls]
+        deltas = deltas or [{}]
+        finish = _finish_reason(parser, out.finish_reason) if out.finished else None
+        chunks = []
+        for i, delta in enumerate(deltas):  # logprobs on the first, finish_reason on the last
+            last = i == len(deltas) - 1
+            chunks.append(responses.chat_chunk(
+                self.request_id, self.model, self.created, choice.index, delta,
+                finish if last else None, logprobs if i == 0 else None, out.stop_reason,
+                include_usage=self.include_usage))
+        return chunks
 
     def choice(self, choice: Choice, out: CompletionOutput) -> dict:
         entries = self.entries(out.logprobs)
         lp = None if entries is None else responses.chat_logprobs(entries)
-        return responses.chat_choice(choice.index, out.text, out.finish_reason, lp, out.stop_reason)
+        parser = parser_for(self.tools, self.tool_parser)
+        if parser is None:
+            return responses.chat_choice(choice.index, out.text, out.finish_reason, lp,
+                                         out.stop_reason)
+        parser.feed(out.text)
+        parser.finish()
+        return responses.chat_choice(choice.index, parser.content if not parser.calls
+                                     or parser.content.strip() else None,
+                                     _finish_reason(parser, out.finish_reason), lp,
+                                     out.stop_reason, parser.calls or None)
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         return responses.chat_response(self.request_id, self.model, self.created, choices, usage)
+
+
+def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
+    return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
 
 
 def count_usage(choices: list[Choice], num_tokens: dict[int, int]) -> dict:
@@ -267,7 +308,7 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
             choice, out = item
             if (failure := engine_failure(out)) is not None:
                 raise failure
-            if (chunk := fmt.chunk(choice, out)) is not None:
+            for chunk in fmt.chunks(choice, out):
                 await response.write(sse_event(chunk))
             num_tokens[choice.index] += len(out.new_token_ids)
             if out.finished:
@@ -284,70 +325,3 @@ async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,
     await response.write(SSE_DONE)
     await response.write_eof()
     return response
-
-
-# -- token texts for logprobs ----------------------------------------------------------------
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's reversible byte <-> printable character map, char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class TokenTexts:
-    """Token id -> (text, exact bytes), as OpenAI's logprobs show tokens. A token that is
-    not valid UTF-8 on its own (part of a character) is shown as 'bytes:\\xe4\\xbd'."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._alphabet = (_byte_level_alphabet()
-                          if "ByteLevel" in repr(getattr(backend, "decoder", None)) else None)
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._added = {i: t.content for i, t in added.items()}
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def _bytes(self, token_id: int) -> bytes:
-        if token_id in self._added:
-            return self._added[token_id].encode()
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if piece is None:
-            return b""
-        if self._alphabet is not None and all(c in self._alphabet for c in piece):
-            return bytes(self._alphabet[c] for c in piece)
-        if m := _BYTE_TOKEN.fullmatch(piece):
-            return bytes([int(m.group(1), 16)])
-        if "▁" in piece:  # SentencePiece's word boundary marker is a space
-            return piece.replace("▁", " ").encode()
-        return self.tokenizer.convert_tokens_to_string([piece]).encode()
-
-    def get(self, token_id: int) -> tuple[str, list[int]]:
-        if token_id not in self._cache:
-            raw = self._bytes(token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            self._cache[token_id] = (text, list(raw))
-        return self._cache[token_id]
-
-    def entry(self, lp: TokenLogprob) -> responses.LogprobEntry:
-        text, raw = self.get(lp.token_id)
-        top = [(*self.get(t), _finite(v)) for t, v in lp.top]
-        return responses.LogprobEntry(text, raw, _finite(lp.logprob), top)
-
-
-def _finite(x: float) -> float:
-    """JSON has no -Infinity: a masked token's logprob is shown as vLLM shows it."""
-    return x if math.isfinite(x) else -9999.0

@@ -196,14 +196,15 @@ def with_max_tokens(params, max_tokens: int):
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 
-async def compile_constraint(engine, params, body: dict) -> None:
-    """Compiles the request's constraint before it is queued (the engine caches it)."""
+async def compile_constraint(engine, params, body: dict, param: str | None = None) -> None:
+    """Compiles the request's constraint before it is queued (the engine caches it).
+    param: the field to blame for a refusal; default: the one that set the constraint."""
     if params.structured_outputs is None:
         return
     try:
         await engine.compile_grammar(params.structured_outputs)
     except GrammarRefused as e:
-        raise p.ProtocolError(str(e), param=constraint_param(body),
+        raise p.ProtocolError(str(e), param=param or constraint_param(body),
                               code="invalid_structured_output") from None
 
 
