@@ -139,6 +139,19 @@ def bench_outlines_core(tokenizer, vocab, case, repeats):
 
 LIBRARIES = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar,
              "outlines-core": bench_outlines_core}
+MODULES = {"llguidance": "llguidance", "xgrammar": "xgrammar", "outlines-core": "outlines_core"}
+
+
+def import_cost(module: str) -> str:
+    """Seconds to import the library in a fresh interpreter, and whether it loads torch."""
+    import subprocess
+    code = (f"import sys, time; t = time.perf_counter(); import {module}; "
+            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode:
+        return "not installed"
+    seconds, torch = proc.stdout.split()
+    return f"{float(seconds):.2f} s" + (", imports torch" if torch == "True" else "")
 
 
 def main() -> None:
@@ -155,7 +168,9 @@ def main() -> None:
     vocab = len(tokenizer)
     cases = {"json schema": ("json", SCHEMA, SCHEMA_TEXT), "regex": ("regex", REGEX, REGEX_TEXT)}
     print(f"tokenizer {args.tokenizer} ({vocab} tokens), {args.repeats} repeats")
-    print(f"| library | case | compile ms (median) | mask us per step (median) | p90 | max |")
+    for name, module in MODULES.items():
+        print(f"import {name}: {import_cost(module)}")
+    print("| library | case | compile ms (median) | mask us per step (median) | p90 | max |")
     print("|---|---|---:|---:|---:|---:|")
     for name, bench in LIBRARIES.items():
         for label, case in cases.items():
