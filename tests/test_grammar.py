@@ -188,18 +188,44 @@ def test_step_bitmask_rows(compiler):
 def test_apply_token_bitmask_matches_numpy():
     import jax.numpy as jnp
     from serving.engine.token_bitmask import apply_token_bitmask
-    rng = np.random.default_rng(0)
-    R, V = 3, 77
+    logits, bits, mask = _random_mask(3, 77)
+    got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, np.where(bits, logits, -np.inf))
+
+
+def _random_mask(R, V, seed=0):
+    rng = np.random.default_rng(seed)
     logits = rng.normal(size=(R, V)).astype(np.float32)
     bits = rng.random((R, V)) < 0.3
+    bits[:, 0] = True  # every row allows something
     mask = np.full((R, g.bitmask_width(V)), -1, np.int32)
     for r in range(R):
         for t in range(V):
             g.set_bit(mask[r], t, bool(bits[r, t]))
-    got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask), True))
-    np.testing.assert_array_equal(got, np.where(bits, logits, -np.inf))
-    same = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask), False))
-    np.testing.assert_array_equal(same, logits)
+    return logits, bits, mask
+
+
+def test_sampler_masks_greedy_and_sampled_rows_and_their_logprobs():
+    import dataclasses
+    import jax.numpy as jnp
+    from tests.test_sampler import inputs, run
+    R, V = 4, 77
+    logits, bits, mask = _random_mask(R, V, seed=1)
+    masked_logits = np.where(bits, logits, -np.inf)
+    s = dataclasses.replace(inputs(R, temperature=[0.0, 0.0, 1.0, 1.0], seed=[1, 2, 3, 4],
+                                   logprobs=True),
+                            any_masked=np.bool_(True), token_bitmask=jnp.asarray(mask))
+    out = run(logits, s)
+    assert all(bits[r, out.tokens[r]] for r in range(R))
+    np.testing.assert_array_equal(out.tokens[:2], masked_logits[:2].argmax(-1))
+    shifted = masked_logits - masked_logits.max(-1, keepdims=True)
+    want = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # constrained log-softmax
+    np.testing.assert_allclose(out.logprob, want[np.arange(R), out.tokens], rtol=1e-5)
+    # The same bitmask with any_masked false changes nothing.
+    free = run(logits, dataclasses.replace(s, any_masked=np.bool_(False)))
+    unmasked = run(logits, dataclasses.replace(s, token_bitmask=None))
+    np.testing.assert_array_equal(free.tokens, unmasked.tokens)
+    assert not all(bits[r, unmasked.tokens[r]] for r in range(R))  # the mask mattered
 
 
 def test_structural_tag_constrains_only_inside_the_tag(compiler, tokenizer):

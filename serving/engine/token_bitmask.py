@@ -3,11 +3,10 @@ tokens (structured outputs, min_tokens), before sampling and before logprobs are
 
 The bitmask has a fixed shape per request bucket (int32[R, ceil(V / 32)]), so no grammar
 ever compiles a new program; a step with no constrained row passes a device-resident
-all-ones mask and skips the unpacking under `lax.cond`.
+all-ones mask, and the sampler skips the mask under `lax.cond`.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 
@@ -18,12 +17,7 @@ def unpack_bitmask(bitmask, vocab_size: int):
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
-def apply_token_bitmask(logits, bitmask, any_masked):
-    """logits: f32[R, V], bitmask: i32[R, ceil(V / 32)], any_masked: bool[] -> f32[R, V]
-    with the disallowed tokens at -inf. No bitmask (None): nothing to do."""
-    if bitmask is None:
-        return logits
-
-    def masked(logits):
-        return jnp.where(unpack_bitmask(bitmask, logits.shape[1]), logits, -jnp.inf)
-    return jax.lax.cond(any_masked, masked, lambda l: l, logits)
+def apply_token_bitmask(logits, bitmask):
+    """logits: f32[R, V], bitmask: i32[R, ceil(V / 32)] -> f32[R, V] with the disallowed
+    tokens at -inf."""
+    return jnp.where(unpack_bitmask(bitmask, logits.shape[1]), logits, -jnp.inf)
