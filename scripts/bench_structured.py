@@ -4,13 +4,14 @@ every stream constrained by a JSON schema against none, on the demo model.
 
     python scripts/bench_structured.py                  # all three parts
     python scripts/bench_structured.py --parts host,device --rows 1,16,64
-    python scripts/bench_structured.py --parts engine --streams 64 --max-tokens 96
+    python scripts/bench_structured.py --parts engine --streams 64 --max-tokens 160
 
 host:   GrammarCompiler.fill (llguidance, rows in parallel) + step_bitmask (the step's array),
         per step, walking each row through a valid document of the schema.
 device: the jitted bitmask op alone on f32[R, V] logits, and the whole sampler without a
         bitmask, with one and no row masked, and with every row masked.
-engine: LLMEngine.step() over `--streams` requests, all constrained vs none: output tok/s,
+engine: LLMEngine.step() over `--streams` requests, all constrained, then none with the same
+        token counts per stream: output tok/s,
         median step time while every stream decodes, and how many outputs are valid JSON
         of the schema.
 """
@@ -120,7 +121,7 @@ def bench_device(vocab: int, rows: list[int], repeats: int, args_random: bool) -
               f"| {timed(samp, logits, s_plain)} | {timed(samp, logits, s_mask)} |", flush=True)
 
 
-def bench_engine(model: str | None, streams: int, max_tokens: int, rows: list[int]) -> None:
+def bench_engine(model: str | None, streams: int, max_tokens: int) -> None:
     import jsonschema
     from serving.core.config import EngineConfig
     from serving.core.sampling_params import SamplingParams
@@ -137,40 +138,51 @@ def bench_engine(model: str | None, streams: int, max_tokens: int, rows: list[in
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     print(f"\n{streams} streams, prompt {len(prompt)} tokens, max_tokens {max_tokens}, "
           f"temperature 0.8 (seeded)")
-    print("| constrained streams | output tok/s | median decode step ms | finished 'stop' "
-          "| valid JSON of the schema |")
-    print("|---:|---:|---:|---:|---:|")
-    for n in rows:
-        so = StructuredOutputsParams(json=SCHEMA)
-        for i in range(streams):
-            engine.add_request(f"{n}-{i}", prompt, SamplingParams(
-                temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=i >= n,
-                structured_outputs=so if i < n else None))
-        texts, reasons, steps = {}, {}, []
-        started = time.perf_counter()
-        while engine.has_unfinished:
-            t0 = time.perf_counter()
-            outs = engine.step()
-            if engine.scheduler.num_running == streams and not engine.scheduler.waiting:
-                steps.append(time.perf_counter() - t0)
-            for o in outs:
-                texts[o.request_id] = texts.get(o.request_id, "") + o.new_text
-                if o.finished:
-                    reasons[o.request_id] = o.finish_reason
-        seconds = time.perf_counter() - started
-        tokens = sum(len(engine.tokenizer.encode(t, add_special_tokens=False))
-                     for t in texts.values())
-        valid = 0
-        for i in range(n):
-            try:
-                jsonschema.validate(json.loads(texts[f"{n}-{i}"]), SCHEMA)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
-        stops = sum(reasons[f"{n}-{i}"] == "stop" for i in range(n))
-        step_ms = f"{statistics.median(steps) * 1e3:.1f}" if steps else "-"
-        print(f"| {n} | {tokens / seconds:.0f} | {step_ms} | {stops}/{n} | {valid}/{n} |",
-              flush=True)
+    print("| run | output tokens | output tok/s | median decode step ms (all streams running) "
+          "| finished 'stop' | valid JSON of the schema |")
+    print("|---|---:|---:|---:|---:|---:|")
+    so = StructuredOutputsParams(json=SCHEMA)
+    # The constrained run first; the free run then makes the same number of tokens per
+    # stream (ignore_eos), so both have the same batch sizes step by step.
+    texts, reasons, counts, row = _run(engine, "json", prompt, [SamplingParams(
+        temperature=0.8, seed=i, max_tokens=max_tokens, structured_outputs=so)
+        for i in range(streams)])
+    valid = 0
+    for text in texts.values():
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    stops = sum(r == "stop" for r in reasons.values())
+    print(f"| every stream constrained by the schema | {row} | {stops}/{streams} | "
+          f"{valid}/{streams} |", flush=True)
+    _, _, _, row = _run(engine, "free", prompt, [SamplingParams(
+        temperature=0.8, seed=i, max_tokens=counts[f"json-{i}"], ignore_eos=True)
+        for i in range(streams)])
+    print(f"| none constrained, same lengths | {row} | | |", flush=True)
+
+
+def _run(engine, tag, prompt, params):
+    """-> (texts, finish reasons, token counts by request id, table cells)."""
+    for i, p in enumerate(params):
+        engine.add_request(f"{tag}-{i}", prompt, p)
+    texts, reasons, counts, steps = {}, {}, {}, []
+    started = time.perf_counter()
+    while engine.has_unfinished:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if engine.scheduler.num_running == len(params) and not engine.scheduler.waiting:
+            steps.append(time.perf_counter() - t0)
+        for o in outs:
+            texts[o.request_id] = texts.get(o.request_id, "") + o.new_text
+            counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    seconds = time.perf_counter() - started
+    tokens = sum(counts.values())
+    step_ms = f"{statistics.median(steps) * 1e3:.1f}" if steps else "-"
+    return texts, reasons, counts, f"{tokens} | {tokens / seconds:.1f} | {step_ms}"
 
 
 def main() -> None:
@@ -178,8 +190,7 @@ def main() -> None:
     ap.add_argument("--parts", default="host,device,engine")
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--engine-rows", default="0,64", help="constrained streams per engine run")
+    ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--model", help="default: the demo model")
     args = ap.parse_args()
@@ -196,8 +207,7 @@ def main() -> None:
         bench_device(len(tokenizer), rows, args.repeats, False)
         bench_device(len(tokenizer), rows, args.repeats, True)
     if "engine" in parts:
-        bench_engine(args.model, args.streams, args.max_tokens,
-                     [int(r) for r in args.engine_rows.split(",")])
+        bench_engine(args.model, args.streams, args.max_tokens)
 
 
 if __name__ == "__main__":
