@@ -9,7 +9,7 @@ every stream constrained by a JSON schema against none, on the demo model.
 host:   GrammarCompiler.fill (llguidance, rows in parallel) + step_bitmask (the step's array),
         per step, walking each row through a valid document of the schema.
 device: the jitted bitmask op alone on f32[R, V] logits, and the whole sampler without a
-        bitmask, with one and no row masked, and with every row masked.
+        bitmask, with one but no row masked, and with every row masked.
 engine: LLMEngine.step() over `--streams` requests, all constrained, then none with the same
         token counts per stream: output tok/s,
         median step time while every stream decodes, and how many outputs are valid JSON

@@ -243,3 +243,13 @@ def test_structural_tag_constrains_only_inside_the_tag(compiler, tokenizer):
         m.accept(t)
     compiler.fill([m])
     assert not allowed(m.bitmask, ids[-1])  # '"b"' breaks the schema inside the tag
+
+
+@pytest.mark.parametrize("tag", [{"structures": "x", "triggers": []},
+                                 {"structures": [{"begin": 5, "end": ""}], "triggers": ["<"]},
+                                 {"structures": [{"begin": "<a>", "end": "</a>"}],
+                                  "triggers": ["<b"]}, [1, 2]])
+def test_malformed_structural_tags_are_refused(compiler, tag):
+    import json
+    with pytest.raises(g.GrammarRefused):
+        compiler.get(SO(structural_tag=json.dumps(tag)))

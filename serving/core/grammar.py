@@ -72,8 +72,9 @@ def grammar_text(so: StructuredOutputsParams) -> str:
             return _structural_tag(value)
     except GrammarRefused:
         raise
-    except (ValueError, TypeError, KeyError) as e:
-        raise GrammarRefused(f"invalid {kind} constraint: {e}", param=_param(kind)) from None
+    except Exception as e:  # noqa: BLE001 - whatever the library or the parsing raises
+        raise GrammarRefused(f"invalid {kind} constraint: {type(e).__name__}: {e}",
+                             param=_param(kind)) from None
     raise GrammarRefused(f"unknown structured output kind {kind!r}", param=_param(kind))
 
 
