@@ -17,6 +17,8 @@ CHEAP = {"max_tokens": st.integers(1, 2), "max_completion_tokens": st.integers(1
 def from_schema(schema: dict, overrides: dict | None = None) -> st.SearchStrategy:
     """Values valid under the JSON Schema subset serving.openai.openapi writes."""
     overrides = CHEAP if overrides is None else overrides
+    if schema.get("type") == "object":  # its anyOf/allOf rules tie fields: not drawn here
+        return _object(schema, overrides)
     if "anyOf" in schema:
         return st.one_of([from_schema(s, overrides) for s in schema["anyOf"]])
     if "const" in schema:

@@ -191,6 +191,7 @@ def live_server(checkpoint):
     """One engine (ENGINE) behind run_server on a free port, in an event loop of its own
     thread; the same loop serves three more apps over the same engine (see Live)."""
     from serving.openai.api_server import build_app, run_server
+    from serving.openai.tools import DEMO_CHAT_TEMPLATE
     from serving.engine.async_engine import AsyncEngine
     from serving.core.config import EngineConfig
     from serving.engine.llm_engine import LLMEngine
@@ -212,9 +213,10 @@ def live_server(checkpoint):
         thread.start()
         stop = call(make_event())
         port = free_port()
-        main = asyncio.run_coroutine_threadsafe(run_server(
+        main = asyncio.run_coroutine_threadsafe(run_server(  # as `xlaserve serve` the demo
             async_engine, "127.0.0.1", port, served_model_name=MODEL, grace_period_s=10,
-            stop_event=stop), loop)
+            stop_event=stop, chat_template=DEMO_CHAT_TEMPLATE.read_text(),
+            tool_call_parser="hermes"), loop)
         ports = [free_port() for _ in range(3)]
         apps = [build_app(async_engine, served_model_name=MODEL, api_key=API_KEY),
                 build_app(async_engine, served_model_name=MODEL,

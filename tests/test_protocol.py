@@ -50,7 +50,7 @@ COMMON_BAD = [  # (field, value, param): rejected by both endpoints
     ("temperature", -0.1, "temperature"), ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"),
     ("top_k", -2, "top_k"), ("top_k", 2.5, "top_k"), ("min_p", 1.5, "min_p"),
     ("n", 0, "n"), ("n", True, "n"), ("n", 1000, "n"), ("seed", "1", "seed"),
-    ("seed", 1.0, "seed"), ("seed", 2 ** 70, "seed"), ("max_tokens", 0, "max_tokens"),
+    ("seed", 1.5, "seed"), ("seed", 2 ** 70, "seed"), ("max_tokens", 0, "max_tokens"),
     ("max_tokens", "10", "max_tokens"), ("max_tokens", False, "max_tokens"),
     ("stop", 5, "stop"), ("stop", [""], "stop"), ("stop", ["a"] * 17, "stop"),
     ("stop", ["a", 1], "stop"), ("stop_token_ids", [1, -1], "stop_token_ids"),
@@ -120,6 +120,14 @@ def test_bad_chat_request(fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
     err = _err(p.parse_chat_request, body)
     assert (err.status, err.param) == (400, param)
+
+
+def test_integral_numbers_are_integers_as_json_schema_counts_them():
+    req = _completion(prompt=[5.0, 6], n=2.0, seed=7.0, stop_token_ids=[3.0], max_tokens=4.0)
+    assert req.prompts == [[5, 6]] and all(type(t) is int for t in req.prompts[0])
+    assert (req.params.n, req.params.seed, req.params.stop_token_ids, req.params.max_tokens) \
+        == (2, 7, [3], 4)
+    assert type(req.params.n) is int and type(req.params.seed) is int
 
 
 def test_body_must_be_an_object():

@@ -253,8 +253,8 @@ async def detokenize(request: web.Request) -> web.Response:
     tokenizer = state.engine.tokenizer
     body = await read_json(request)
     _check_model(state, p.opt_str(body, "model"))
-    tokens = body.get("tokens")
-    if not (isinstance(tokens, list) and all(p.is_int(t) and t >= 0 for t in tokens)):
+    tokens = p.token_id_list(body.get("tokens"))
+    if tokens is None:
         raise p.ProtocolError("'tokens' must be a list of token ids", param="tokens")
     p.check_token_ids(tokens, state.engine.vocab_size, "tokens")
     return web.json_response({"prompt": tokenizer.decode(tokens)})

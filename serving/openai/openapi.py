@@ -74,20 +74,38 @@ def _sampling_fields(token_id: dict, model: str) -> dict:
 
 
 def _message() -> dict:
+    """One schema per kind of message: content may be null only in an assistant message,
+    tool_calls only there, and a tool message names the call it answers."""
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
     call = {"type": "object", "required": ["function"], "properties": {
         "id": {"type": "string"}, "type": {"const": "function"},
         "function": {"type": "object", "required": ["name", "arguments"], "properties": {
             "name": {"type": "string"},
             "arguments": {"type": "string", "description": "a JSON text"}}}}}
-    return {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": sorted(ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part},
-                              {"type": "null", "description": "assistant messages only"}]},
-        "tool_calls": _nullable({"type": "array", "items": call,
-                                 "description": "assistant messages only"}),
-        "tool_call_id": {"type": "string", "description": "required in tool messages"}}}
+    roles = sorted(r for r in ROLES if r not in ("assistant", "tool"))
+    return {"anyOf": [
+        {"type": "object", "required": ["role", "content"],
+         "properties": {"role": {"enum": roles}, "content": content,
+                        "tool_calls": {"type": "null"}}},
+        {"type": "object", "required": ["role"],
+         "properties": {"role": {"const": "assistant"}, "content": _nullable(content),
+                        "tool_calls": _nullable({"type": "array", "items": call})}},
+        {"type": "object", "required": ["role", "content", "tool_call_id"],
+         "properties": {"role": {"const": "tool"}, "content": content,
+                        "tool_call_id": {"type": "string"}, "tool_calls": {"type": "null"}}},
+    ]}
+
+
+def _requires(field: str, value_schema: dict, then: dict) -> dict:
+    """A rule tying two fields: when `field` holds a value matching value_schema, `then`."""
+    return {"if": {"required": [field], "properties": {field: value_schema}}, "then": then}
+
+
+def _stream_rule() -> dict:
+    return _requires("stream_options", {"type": "object"},
+                     {"required": ["stream"], "properties": {"stream": {"const": True}}})
 
 
 def _tools() -> dict:
@@ -133,7 +151,8 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
         "logprobs": _int(0, MAX_LOGPROBS),
         "echo": _bool(description="not together with logprobs"),
         "suffix": {"type": "null", "description": "not supported"},
-        **sampling, **structured_protocol.openapi_fields("completion")}}
+        **sampling, **structured_protocol.openapi_fields("completion")},
+        "allOf": [_stream_rule()]}
     chat = {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "items": _message(), "minItems": 1},
         "max_tokens": {**max_tokens, "description": "default: what the context leaves"},
@@ -142,14 +161,23 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
         "top_logprobs": _int(0, MAX_LOGPROBS, description="requires logprobs: true"),
         "add_generation_prompt": _bool(),
         **_tools(),
-        **sampling, **structured_protocol.openapi_fields("chat")}}
+        **sampling, **structured_protocol.openapi_fields("chat")}, "allOf": [
+        _stream_rule(),
+        _requires("top_logprobs", {"type": "integer"},
+                  {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+        _requires("tool_choice", {"not": {"anyOf": [{"type": "null"}, {"const": "none"}]}},
+                  {"required": ["tools"], "properties": {"tools": {"minItems": 1}}})]}
     tokenize = {"type": "object", "properties": {
         "model": sampling["model"],
         "prompt": {"type": "string", "description": "required unless messages is given"},
         "messages": {"type": "array", "items": _message(), "minItems": 1},
         "tools": _tools()["tools"],
         "add_special_tokens": _bool(),
-        "add_generation_prompt": _bool()}}
+        "add_generation_prompt": _bool()},
+        "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                  {"required": ["messages"]}],
+        "allOf": [_requires("tools", {"type": "array", "minItems": 1},
+                            {"required": ["messages"]})]}
     detokenize = {"type": "object", "required": ["tokens"], "properties": {
         "model": sampling["model"], "tokens": {"type": "array", "items": token_id}}}
     return {"/v1/completions": completion, "/v1/chat/completions": chat,
@@ -171,8 +199,9 @@ def _errors(*statuses: int) -> dict:
 
 def _post(summary: str, body: dict, stream: bool = False) -> dict:
     ok = {"application/json": {"schema": {"type": "object"}}}
-    if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    if stream:  # each event's data: a JSON chunk, an error envelope, or [DONE]
+        ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                              "properties": {"data": {"type": "string"}}}}
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -190,7 +219,7 @@ def _get(summary: str, content_type: str = "application/json", **extra) -> dict:
 def openapi_spec(model: str, vocab_size: int, max_model_len: int) -> dict:
     bodies = request_schemas(model, vocab_size, max_model_len)
     model_param = {"name": "model", "in": "path", "required": True,
-                   "schema": {"type": "string"}}
+                   "schema": {"type": "string", "description": f"'{model}' (else 404)"}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "xlaserve", "version": "0.1.0",

@@ -53,7 +53,16 @@ class ProtocolError(Exception):
 # -- typed field access --------------------------------------------------------------------
 
 def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer as JSON Schema counts them: 3 and 3.0, never true or 3.5."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (
+        isinstance(x, float) and x.is_integer())
+
+
+def token_id_list(value) -> list[int] | None:
+    """A list of token ids (non-negative integers) as ints, or None if it is not one."""
+    if isinstance(value, list) and all(is_int(t) and t >= 0 for t in value):
+        return [int(t) for t in value]
+    return None
 
 
 def _bad(param: str, rule: str, value) -> ProtocolError:
@@ -68,7 +77,7 @@ def _int(body: dict, name: str, default=None, lo: int | None = None, hi: int | N
     if not is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
         raise _bad(name, "an integer" + bounds, value)
-    return value
+    return int(value)
 
 
 def _number(body: dict, name: str, default=None):
@@ -145,9 +154,9 @@ def _stop_token_ids(body: dict) -> list[int]:
     value = body.get("stop_token_ids")
     if value is None:
         return []
-    if not (isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)):
+    if (ids := token_id_list(value)) is None:
         raise _bad("stop_token_ids", "a list of token ids", value)
-    return list(value)
+    return ids
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -225,11 +234,11 @@ def _prompts(value) -> list[str | list[int]]:
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if all(is_int(t) and t >= 0 for t in value):
-            return [list(value)]
-        if all(isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p)
-               for p in value):
-            return [list(p) for p in value]
+        if (ids := token_id_list(value)) is not None:
+            return [ids]
+        lists = [token_id_list(p) if p else None for p in value]
+        if all(ids is not None for ids in lists):
+            return lists
     raise ProtocolError("'prompt' must be a string, a list of strings, a list of token ids or "
                         "a list of lists of token ids", param="prompt")
 
