@@ -253,3 +253,10 @@ def test_malformed_structural_tags_are_refused(compiler, tag):
     import json
     with pytest.raises(g.GrammarRefused):
         compiler.get(SO(structural_tag=json.dumps(tag)))
+
+
+def test_a_choice_the_tokenizer_cannot_write_is_refused(compiler, tokenizer):
+    assert tokenizer.decode(tokenizer.encode("a\x1db", add_special_tokens=False)) != "a\x1db"
+    with pytest.raises(g.GrammarRefused, match="cannot write"):
+        compiler.get(SO(choice=["ok", "a\x1db"]))
+    compiler.get(SO(choice=["ok", "naïve 🙂"]))

@@ -153,6 +153,8 @@ class GrammarCompiler:
         started = time.perf_counter()
         try:
             grammar = grammar_text(so)
+            if so.kind == "choice":
+                self._check_writable(so.choice)
         except GrammarRefused as e:
             return e
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
@@ -168,6 +170,16 @@ class GrammarCompiler:
             return GrammarRefused(f"the {so.kind} constraint took {seconds:.1f} s to compile; "
                                   f"the limit is {self.timeout_s:g} s", param=param)
         return CompiledGrammar(matcher, seconds)
+
+    def _check_writable(self, texts) -> None:
+        """Each text must be one the tokenizer can write: llguidance forces a choice's bytes,
+        and a byte the tokenizer drops (some control characters) leaves it with a mask whose
+        token the grammar then refuses."""
+        for text in texts:
+            ids = self.ll_tokenizer.tokenize_str(text)
+            if self.ll_tokenizer.decode_str(ids) != text:
+                raise GrammarRefused(f"the tokenizer cannot write the choice {text!r}",
+                                     param="structured_outputs")
 
     def matcher(self, so: StructuredOutputsParams) -> "GrammarMatcher":
         return GrammarMatcher(self.get(so).new_matcher(), self)
