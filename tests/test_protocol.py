@@ -120,7 +120,7 @@ def test_bad_completion_request(fields, param):
     ({"messages": [{"role": "assistant", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
      "messages"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_bad_chat_request(fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}

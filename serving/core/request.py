@@ -50,6 +50,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic(), for metrics
     first_token_time: float | None = None
+    grammar: object | None = None  # core.grammar.GrammarMatcher of a constrained request
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

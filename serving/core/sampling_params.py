@@ -33,6 +33,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Keeps this request's prefix-cache entries apart from requests with another salt.
     cache_salt: str | None = None
+    min_tokens: int = 0  # no EOS or stop token before this many output tokens
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
@@ -95,3 +96,9 @@ class SamplingParams:
                                     and value >= 0), name, "None or a non-negative integer")
         check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
               "cache_salt", "a non-empty string")
+        check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+              and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+              "min_tokens", "an integer in [0, max_tokens]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "a StructuredOutputsParams")

@@ -222,6 +222,8 @@ class Scheduler:
     def _append_token(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)
         self.num_generation_tokens_total += 1
+        if req.grammar is not None:
+            req.grammar.accept(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         stop = self._check_stop(req, token)
@@ -231,10 +233,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus, int | None] | None:
         params = req.sampling_params
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token
-        if token in req.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED, None  # vLLM: stop_reason None means EOS
+        if req.num_output_tokens > params.min_tokens:  # min_tokens: no EOS or stop token yet
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+            if token in req.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, None  # vLLM: stop_reason None means EOS
+        # A complete grammar ends the request, also at max_tokens: the output is whole.
+        if req.grammar is not None and req.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED, None
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self._max_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None

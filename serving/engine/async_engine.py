@@ -121,6 +121,8 @@ class AsyncEngine:
         """Warms up (compiling every bucket), then starts the step loop."""
         if warmup:
             self.engine.warmup()
+            if self.engine.tokenizer is not None:
+                self.engine.grammar_compiler  # built now, not on the first constrained request
         self._thread.start()
         self.ready = True
 
@@ -145,6 +147,20 @@ class AsyncEngine:
             self._commands.append((self._add, (request_id, list(prompt_token_ids), params)))
             self._wake.notify()
         return stream
+
+    async def compile_grammar(self, structured_outputs) -> None:
+        """Compiles a constraint off the engine thread and the event loop, within the
+        compiler's time limit; raises core.grammar.GrammarRefused. The engine finds the
+        result in the compiler's cache when it adds the request."""
+        compiler = self.engine.grammar_compiler
+        future = asyncio.wrap_future(compiler.submit(structured_outputs))
+        try:
+            await asyncio.wait_for(future, compiler.timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            from serving.core.grammar import GrammarRefused
+            raise GrammarRefused(f"compiling the {structured_outputs.kind} constraint took "
+                                 f"longer than {compiler.timeout_s:g} s",
+                                 param="structured_outputs") from None
 
     def abort(self, request_id: str) -> None:
         self._submit(self.engine.abort, request_id)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving.core.buckets import Buckets
+from serving.core.grammar import step_bitmask
 from serving.core.sampling_params import MAX_LOGIT_BIAS
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput
 from serving.core.prompt_logprobs import wants_prompt_logprobs
@@ -26,6 +27,7 @@ class StepArrays:
     # i32[T]: the prompt token each position scores (-1: none), when some row asks for
     # prompt logprobs (serving.engine.prompt_logprobs); else None
     prompt_targets: np.ndarray | None = None
+    bitmask: np.ndarray | None = None  # i32[R, W] allowed tokens; None: no row constrained
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -43,7 +45,7 @@ def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int,
 
 
 def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
-            max_num_seqs: int) -> StepArrays:
+            max_num_seqs: int, bitmask_width: int = 0) -> StepArrays:
     sched = out.scheduled
     T, R, P = step_shape(buckets, out.num_batched_tokens,
                          max(len(s.page_ids) for s in sched), max_num_seqs)
@@ -70,7 +72,9 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
     sampling = _sampling_arrays(out, R, P * page_size)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
     targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
-    return StepArrays((T, R, P), batch, sampling, wants, targets)
+    bitmask = step_bitmask(sched, R, bitmask_width) if bitmask_width else None
+    sampling["any_masked"] = np.bool_(bitmask is not None)
+    return StepArrays((T, R, P), batch, sampling, wants, targets, bitmask)
 
 
 def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
@@ -80,7 +84,9 @@ def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
                  logits_indices=np.zeros(R, np.int32))
-    return StepArrays(shape, batch, _sampling_arrays(SchedulerOutput(), R, P * page_size), False)
+    sampling = _sampling_arrays(SchedulerOutput(), R, P * page_size)
+    sampling["any_masked"] = np.bool_(False)
+    return StepArrays(shape, batch, sampling, False)
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from serving.engine import memory_plan, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
+from serving.core import grammar as structured
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
 from serving.engine.parallel_sampling import ParentRequest
@@ -87,7 +89,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
-                                  max_logprobs=ec.max_logprobs)
+                                  max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size)
         del params
         self.memory_plan = None
         limit = gpu_memory_limit()
@@ -113,6 +115,25 @@ class LLMEngine:
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
+        self._grammar_compiler: structured.GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar_compiler(self) -> structured.GrammarCompiler:
+        """Structured outputs' compiler, built on first use (wrapping the tokenizer for
+        llguidance takes most of a second)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise structured.GrammarRefused("structured outputs need a tokenizer",
+                                                    param="structured_outputs")
+                if structured.llguidance is None:
+                    raise structured.GrammarRefused(
+                        "structured outputs need the llguidance package, which is not "
+                        "installed here", param="structured_outputs")
+                self._grammar_compiler = structured.GrammarCompiler(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
 
     def _activation_peak(self, max_len: int) -> int:
         """Temporaries of the largest step program at this context length."""
@@ -166,8 +187,12 @@ class LLMEngine:
     def _make_request(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        return Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                       seed=seed % 2**32)
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                      seed=seed % 2**32)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammar_compiler.matcher(params.structured_outputs)
+            self.grammar_compiler.fill([req.grammar])
+        return req
 
     def abort(self, request_id: str) -> None:
         """Aborts a request, all n samples of it."""
@@ -215,6 +240,8 @@ class LLMEngine:
             self._collect_prompt_logprobs(out, result)
         sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
         changed = self.scheduler.update(out, sampled)
+        for req, error in structured.advance(self._grammar_compiler, changed):
+            outputs.append(self._fail(req.request_id, f"structured output failed: {error}"))
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
@@ -243,7 +270,8 @@ class LLMEngine:
     def _build(self, out: SchedulerOutput):
         if self.faults:
             self.faults.check("sampling", (s.request for s in out.scheduled))
-        return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs)
+        return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs,
+                       self.runner.bitmask_width)
 
     def _prepare(self, out: SchedulerOutput):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot

@@ -26,13 +26,16 @@ from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInput
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, *, layout, cfg: ModelConfig, backend: str, num_top: int):
+def _step(params, cache, buffers, bitmask, *, layout, cfg: ModelConfig, backend: str,
+          num_top: int, vocab_size: int):
     """-> (sampled tokens, the tokens' hidden states in blocks for prompt logprobs, cache)."""
     batch, sampling = _unpack(buffers, layout)
     batch = Batch(**batch)
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
-    logits = compute_logits(params, hidden[batch.logits_indices], cfg)
-    return sample(logits, SamplingInputs(**sampling), num_top), hidden_blocks(hidden), cache
+    # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
+    logits = compute_logits(params, hidden[batch.logits_indices], cfg)[:, :vocab_size]
+    sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
+    return sampled, hidden_blocks(hidden), cache
 
 
 # A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
@@ -78,21 +81,26 @@ class ModelRunner:
     """num_pages None: the KV cache is allocated later (`allocate_kv_cache`), once the memory
     plan knows what the prepared weights and the largest step leave for it.
     free_stacked: the stored weight tree is consumed (model/runtime_params.py).
-    max_logprobs: the top logprobs each step computes (the most a request may ask)."""
+    max_logprobs: the top logprobs each step computes (the most a request may ask).
+    vocab_size: the ids sampling may produce (the tokenizer's); default: every row."""
 
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
-                 free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS):
+                 free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS,
+                 vocab_size: int | None = None):
         self.cfg = cfg
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
+        self.vocab_size = vocab_size or cfg.vocab_size
+        self.bitmask_width = (self.vocab_size + 31) // 32
+        self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
         self.params = prepare_params(params, free_stacked=free_stacked)
         self.cache = None
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
         self.backend = attention_backend
         self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
-                                       num_top=max_logprobs),
+                                       num_top=max_logprobs, vocab_size=self.vocab_size),
                                donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
         # One program for every bucket: scores BLOCK_ROWS hidden states (prompt logprobs).
@@ -109,7 +117,8 @@ class ModelRunner:
         buffers, layout = _pack(example)
         cache = jax.eval_shape(lambda: KVCache.zeros(self.cfg, 2, self.page_size,
                                                      self.kv_cache_dtype))
-        compiled = self._jitted.lower(self.params, cache, buffers, layout=layout).compile()
+        compiled = self._jitted.lower(self.params, cache, buffers, self._bitmask(example),
+                                      layout=layout).compile()
         stats = compiled.memory_analysis()
         if stats is None:
             raise RuntimeError("this backend reports no memory analysis for a compiled step")
@@ -126,7 +135,8 @@ class ModelRunner:
         started = time.perf_counter()
         buffers, layout = _pack(example)
         self._compiled[shape] = (self._jitted.lower(
-            self.params, self.cache, buffers, layout=layout).compile(), layout)
+            self.params, self.cache, buffers, self._bitmask(example), layout=layout).compile(),
+            layout)
         return time.perf_counter() - started
 
     def compile_prompt_logprobs(self) -> float:
@@ -168,7 +178,8 @@ class ModelRunner:
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
-        out, blocks, self.cache = program(self.params, self.cache, jax.device_put(buffers))
+        out, blocks, self.cache = program(self.params, self.cache, jax.device_put(buffers),
+                                          self._bitmask(arrays))
         out.tokens.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
@@ -210,6 +221,15 @@ class ModelRunner:
             for name in ("logprob", "rank", "top_ids", "top_logprobs"):
                 getattr(full, name)[rows] = np.asarray(getattr(out, name))
         return jax.tree.map(lambda a: a[:T], full)
+
+    def _bitmask(self, arrays: StepArrays):
+        """The step's bitmask, or (no constrained row) a resident one: nothing to send."""
+        if arrays.bitmask is not None:
+            return jax.device_put(arrays.bitmask)
+        R = arrays.shape[1]
+        if R not in self._no_bitmask:
+            self._no_bitmask[R] = jax.device_put(np.full((R, self.bitmask_width), -1, np.int32))
+        return self._no_bitmask[R]
 
     @staticmethod
     def fetch(handle) -> StepResult:

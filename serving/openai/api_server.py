@@ -19,6 +19,7 @@ from aiohttp import web
 from serving.openai import protocol as p
 from serving.openai import responses
 from serving.openai import sse
+from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
                                 read_json)
 from serving.openai.metrics import Metrics
@@ -137,9 +138,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, tokenizer = state.engine, state.engine.tokenizer
     check_admission(state)
-    req = p.parse_completion_request(await read_json(request), engine.max_model_len,
-                                     engine.max_logprobs)
+    body = await read_json(request)
+    req = p.parse_completion_request(body, engine.max_model_len, engine.max_logprobs)
     _check_model(state, req.model)
+    await sp.compile_constraint(engine, req.params, body)
     for prompt in req.prompts:
         if isinstance(prompt, str):
             check_prompt_size(state, len(prompt), "prompt")
@@ -149,7 +151,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             else prompt
         p.check_request_token_ids(ids, req.params, engine.vocab_size)
         max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
-        params = dataclasses.replace(req.params, max_tokens=max_tokens)
+        params = sp.with_max_tokens(req.params, max_tokens)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
         choices += _choices(ids, i, params, i * req.params.n, echo, echo_only=req.echo_only,
                             echo_logprobs=req.echo and req.params.logprobs is not None,
@@ -173,9 +175,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = _chat_ids(state, req.messages, req.add_generation_prompt, tools=tools.tools)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
-    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    params = sp.with_max_tokens(req.params, max_tokens)
     if tools.forced:
         params = _forced_tool_call(params, tools)
+    await sp.compile_constraint(engine, params, body, "tools" if tools.forced else None)
     p.check_request_token_ids(ids, params, engine.vocab_size)
     texts = state.token_texts() if req.logprobs or req.prompt_logprobs is not None else None
     fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,

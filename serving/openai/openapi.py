@@ -9,6 +9,7 @@ excludes stream, max_tokens 0 needs echo, the context length) are in the descrip
 """
 from __future__ import annotations
 
+from serving.openai import structured_protocol
 from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
 from serving.openai.tools import MAX_TOOLS
 from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -165,7 +166,7 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int,
                                   "prompt's tokens (the first null), then the completion's"),
         "prompt_logprobs": prompt_logprobs,
         "suffix": {"type": "null", "description": "not supported"},
-        **sampling}, "allOf": [
+        **sampling, **structured_protocol.openapi_fields("completion")}, "allOf": [
         _stream_rule(), _no_stream_rule("prompt_logprobs"),
         _requires("max_tokens", {"const": 0},
                   {"required": ["echo"], "properties": {"echo": {"const": True}}})]}
@@ -178,9 +179,7 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int,
         "prompt_logprobs": prompt_logprobs,
         "add_generation_prompt": _bool(),
         **_tools(),
-        "response_format": _nullable({"type": "object", "required": ["type"],
-                                      "properties": {"type": {"const": "text"}}}),
-        **sampling}, "allOf": [
+        **sampling, **structured_protocol.openapi_fields("chat")}, "allOf": [
         _stream_rule(), _no_stream_rule("prompt_logprobs"),
         _requires("top_logprobs", {"type": "integer"},
                   {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from serving.core import request_checks
 from serving.core.request_checks import RequestRefused, fit_max_tokens
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.openai import structured_protocol  # noqa: E402 - it uses this module's helpers
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 256  # prompts x n per request: bounds what one request can queue
@@ -211,7 +212,8 @@ def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         ignore_eos=opt_bool(body, "ignore_eos"),
         include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"),
-        cache_salt=opt_str(body, "cache_salt"))
+        cache_salt=opt_str(body, "cache_salt"),
+        **structured_protocol.sampling_fields(body))
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:
@@ -262,6 +264,7 @@ def parse_completion_request(body: dict, max_model_len: int,
     prompts = _prompts(body["prompt"])
     if body.get("suffix") is not None:
         raise _unsupported("suffix", "suffix")
+    structured_protocol.check_extras(body, "completion")
     logprobs = _int(body, "logprobs", None, 0, max_logprobs)
     echo = opt_bool(body, "echo")
     prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
@@ -360,9 +363,7 @@ def _messages(value) -> list[dict]:
 def parse_chat_request(body: dict, max_logprobs: int = MAX_LOGPROBS) -> ChatRequest:
     model, stream, include_usage = _common(body)
     messages = _messages(body.get("messages"))
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", "response_format other than text")
+    structured_protocol.check_extras(body, "chat")
     logprobs = opt_bool(body, "logprobs")
     top_logprobs = _int(body, "top_logprobs", None, 0, max_logprobs)
     prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
