@@ -79,6 +79,9 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+_registered: set[str] = set()
+
+
 @functools.cache
 def _load(kernel: str) -> bool:
     if kernel not in KERNELS:
@@ -93,6 +96,7 @@ def _load(kernel: str) -> bool:
     lib = ctypes.cdll.LoadLibrary(str(path))
     name = f"xlaserve_{kernel}"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    _registered.add(kernel)
     return True
 
 
@@ -101,3 +105,10 @@ def available(kernel: str) -> bool:
     registered as the FFI target `xlaserve_<kernel>`. A build that fails raises: a broken
     kernel must not pass for a missing compiler."""
     return _load(kernel)
+
+
+
+def loaded_kernels() -> tuple[str, ...]:
+    """The kernels registered as FFI targets so far in this process: a program compiled now
+    may call any of them, so a saved copy of it needs them registered before it loads."""
+    return tuple(k for k in KERNELS if k in _registered)

@@ -133,7 +133,7 @@ def streamed_weight_bytes(engine) -> int:
 def build(args, model_dir: Path):
     from serving.engine.llm_engine import LLMEngine
     engine = LLMEngine(engine_config(args, model_dir))
-    return engine, sum(engine.warmup())
+    return engine, engine.warmup().wall
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,9 @@ from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
 from serving.core.request_checks import check_request_token_ids
-from serving.engine.runner import ModelRunner, StepResult, device_memory_bytes, enable_compilation_cache
+from serving.engine.executable_cache import DEFAULT_MAX_BYTES
+from serving.engine.runner import (ModelRunner, StepResult, WarmupReport, device_memory_bytes,
+                                   enable_compilation_cache)
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -55,7 +58,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
         if ec.compilation_cache_dir:
-            enable_compilation_cache(ec.compilation_cache_dir)
+            enable_compilation_cache(ec.compilation_cache_dir, DEFAULT_MAX_BYTES)
         self.attention_backend = resolve_backend(ec.attention_backend)
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
@@ -63,7 +66,9 @@ class LLMEngine:
         if ec.quantize:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
         self.model_dir = sizing.resolve_model_dir(ec.model)
+        started = time.perf_counter()
         self.cfg, params = _load_weights(self.model_dir, ec)
+        self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
@@ -71,7 +76,8 @@ class LLMEngine:
             else self.cfg.vocab_size
         self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
-        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
+        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
+                                      self.attention_backend)
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
         on_gpu = jax.default_backend() == "gpu"
@@ -79,23 +85,37 @@ class LLMEngine:
         self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, self.weight_bytes,
                                           device_memory_bytes(), on_gpu)
         self.kv_cache_bytes = self.num_pages * page_bytes
+        self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
+                               if ec.compilation_cache_dir else None)
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages))
         self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
                                   page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
-                                  kv_cache_dtype=ec.kv_cache_dtype)
+                                  kv_cache_dtype=ec.kv_cache_dtype,
+                                  executable_dir=self.executable_dir)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self._states: dict[str, _State] = {}
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
+        self.warmup_report: WarmupReport | None = None
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
 
-    def warmup(self) -> list[float]:
-        """Compiles every step shape; returns the seconds each took."""
-        return self.runner.warmup([padding_step(s, self.config.page_size)
-                                   for s in self.step_shapes], self.config.progress)
+    def warmup(self) -> WarmupReport:
+        """Loads or compiles every step shape, then runs one step (its first run allocates
+        what later steps reuse, and a program that cannot run fails here, before /health
+        says 200). Records the phases in `timings`."""
+        report = self.runner.warmup([padding_step(s) for s in self.step_shapes],
+                                    self.config.progress)
+        self.warmup_report = report
+        self.timings["compile/load"] = report.wall
+        started = time.perf_counter()
+        self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0])))
+        self.timings["first step"] = time.perf_counter() - started
+        log.info("warm-up phases: %s", ", ".join(f"{k} {v:.1f} s"
+                                                 for k, v in self.timings.items()))
+        return report
 
     def describe(self) -> str:
         b = self.buckets

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from model.attention import FIXED_PAGE_TABLE
 from model.config import ModelConfig
 from serving.core.buckets import Buckets
 from serving.core.config import EngineConfig, default_cache_root
@@ -38,10 +39,10 @@ def max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     return requested
 
 
-def buckets(ec: EngineConfig, max_len: int, max_batched: int) -> Buckets:
+def buckets(ec: EngineConfig, max_len: int, max_batched: int, backend: str) -> Buckets:
     return Buckets.derive(ec.max_num_seqs, max_batched, max_len, ec.page_size,
                           tokens=ec.token_buckets, requests=ec.request_buckets,
-                          pages=ec.page_buckets)
+                          pages=ec.page_buckets, fixed_pages=backend in FIXED_PAGE_TABLE)
 
 
 def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, weight_bytes: int,
