@@ -17,7 +17,7 @@ import pytest
 
 from model.attention import FIXED_PAGE_TABLE
 from model.checkpoint import convert_hf
-from serving import LLM, SamplingParams
+from serving import LLM
 from serving.engine.executable_cache import MAGIC, SUFFIX, ExecutableCache
 from tests.demo_engine import greedy
 from tests.hf_tiny import tiny_hf_model

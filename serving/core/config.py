@@ -30,6 +30,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
+    # compiled step programs are saved under <this>/executables (engine/executable_cache.py)
     compilation_cache_dir: str | None = field(
         default_factory=lambda: str(default_cache_root() / "jax-cache"))
     seed: int = 0  # draws the seeds of requests that bring none

@@ -43,16 +43,19 @@ MAGIC = b"XLASERVE-EXEC\x01"
 SUFFIX = ".xlx"
 DEFAULT_MAX_BYTES = 4 << 30
 _ROOT = Path(__file__).resolve().parents[2]
-# Everything a traced step program can depend on.
-_CODE_DIRS = ("model", "pallas_kernels", "quant", "serving/engine", "serving/core")
+# The sources a step program is traced from (the step's input shapes and layout are part of
+# each key, so input_prep and the scheduler are not).
+_CODE = ("model", "pallas_kernels", "quant", "serving/engine/runner.py",
+         "serving/engine/sampler.py", "serving/engine/executable_cache.py")
 
 
 @functools.cache
 def code_version() -> str:
     """A hash of the sources the step programs are traced from (Python and C++)."""
     h = hashlib.sha256()
-    for d in _CODE_DIRS:
-        for path in sorted((_ROOT / d).rglob("*")):
+    for name in _CODE:
+        top = _ROOT / name
+        for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
             if path.suffix in (".py", ".cc", ".h") and "__pycache__" not in path.parts:
                 h.update(str(path.relative_to(_ROOT)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
@@ -120,6 +123,13 @@ class ExecutableCache:
     def save(self, shape, layout, program) -> None:
         """Writes the program (atomically), then prunes the folder. Never raises: a program
         that cannot be saved is compiled again next time."""
+        if jax.config.jax_compilation_cache_dir:
+            # A program JAX's own persistent cache handed back does not survive a second
+            # round trip through serialization on XLA:CPU (it fails when run: "Function ...
+            # not found"), and there is no telling which ones it handed back.
+            _warn_once("JAX's persistent compilation cache is on (jax_compilation_cache_dir); "
+                       "compiled programs are not saved to %s", self.root)
+            return
         key, path = self._slot(shape, layout)
         try:
             serialized, in_tree, out_tree = serialize(program)
@@ -160,6 +170,11 @@ class ExecutableCache:
         return None
 
 
+@functools.cache
+def _warn_once(message: str, *args) -> None:
+    log.warning(message, *args)
+
+
 def _split(blob: bytes) -> tuple[dict, bytes]:
     if not blob.startswith(MAGIC):
         raise ValueError("not a saved program")
@@ -184,13 +199,4 @@ def _accepts(program, args) -> bool:
     if want_tree != got_tree or len(want) != len(got):
         return False
     return all(tuple(a.shape) == tuple(g.shape) and a.dtype == g.dtype for a, g in zip(want, got))
-
-
-def describe(path: str | Path) -> str:
-    """'N programs, M MiB in PATH' for the logs."""
-    path = Path(path)
-    files = list(path.glob(f"*{SUFFIX}")) if path.is_dir() else []
-    size = sum(f.stat().st_size for f in files)
-    return f"{len(files)} programs, {size / 2**20:.0f} MiB in {path}"
-
 

@@ -30,9 +30,7 @@ from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
 from serving.core.request_checks import check_request_token_ids
-from serving.engine.executable_cache import DEFAULT_MAX_BYTES
-from serving.engine.runner import (ModelRunner, StepResult, WarmupReport, device_memory_bytes,
-                                   enable_compilation_cache)
+from serving.engine.runner import ModelRunner, StepResult, WarmupReport, device_memory_bytes
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -57,8 +55,6 @@ class _Pending:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
-        if ec.compilation_cache_dir:
-            enable_compilation_cache(ec.compilation_cache_dir, DEFAULT_MAX_BYTES)
         self.attention_backend = resolve_backend(ec.attention_backend)
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "

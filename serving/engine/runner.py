@@ -182,16 +182,6 @@ class ModelRunner:
                                                     out.top_logprobs)))
 
 
-def enable_compilation_cache(path: str, max_bytes: int) -> None:
-    """JAX's persistent compilation cache, keyed on the lowered program: behind the
-    executable cache, it saves compiling (not tracing) a program whose code changed in ways
-    that leave its HLO alone."""
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_compilation_cache_max_size", max_bytes)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def device_memory_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
