@@ -32,7 +32,7 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 KERNELS = ("q8_matmul", "paged_attention", "argmax")
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -44,7 +44,7 @@ def _cpu_signature() -> str:
 def _cpu_supported() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    flags = _cpu_signature()
+    flags = cpu_signature()
     return " avx2" in flags and " fma" in flags
 
 
@@ -57,7 +57,7 @@ def _library_path(compiler: str, source: Path) -> Path:
     h = hashlib.sha256()
     for src in [source, *sorted(SOURCE_DIR.glob("*.h"))]:
         h.update(src.name.encode() + src.read_bytes())
-    h.update(" ".join([compiler, *FLAGS, jaxlib.__version__, _cpu_signature()]).encode())
+    h.update(" ".join([compiler, *FLAGS, jaxlib.__version__, cpu_signature()]).encode())
     return cache_dir() / f"{source.stem}_{h.hexdigest()[:16]}.so"
 
 

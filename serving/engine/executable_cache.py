@@ -3,8 +3,9 @@ and compiling each one again.
 
 One file per program, `<slot>.xlx`, where the slot hashes what the program is for: the model
 architecture and the avals of its arguments (weights, KV cache, step buffers), the attention
-backend, the step shape and its buffer layout. Weights are arguments, never constants, so
-two checkpoints of one architecture share their programs. The file also records what the
+backend, the step shape and its buffer layout, the device kind, the host CPU and XLA_FLAGS.
+Weights are arguments, never constants, so two checkpoints of one architecture share their
+programs. The file also records what the
 program was built with (code version, jax and jaxlib versions, platform and device kind) and
 a checksum of its bytes. On load:
 
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import pickle
+import platform
 import struct
 import tempfile
 from pathlib import Path
@@ -67,6 +69,14 @@ def build_versions() -> dict:
                 platform=device.platform, device_kind=device.device_kind)
 
 
+@functools.cache
+def _host() -> str:
+    """XLA:CPU compiles for the host's instruction set, and XLA_FLAGS change what it makes:
+    a program from another machine or other flags is another slot."""
+    text = platform.machine() + cpu_ffi.cpu_signature() + os.environ.get("XLA_FLAGS", "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def avals_signature(tree) -> str:
     """Structure, shapes and dtypes of a pytree of arrays (not their values)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -86,7 +96,7 @@ class ExecutableCache:
     def _slot(self, shape, layout) -> tuple[dict, Path]:
         key = dict(self.identity, shape=list(shape), layout=repr(layout),
                    device_kind=self.versions["device_kind"],
-                   platform=self.versions["platform"])
+                   platform=self.versions["platform"], host=_host())
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return key, self.root / f"{digest}{SUFFIX}"
 
