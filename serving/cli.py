@@ -41,7 +41,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
-                       help=f"compiled {what} (default: powers of two up to the maximum)")
+                       help=f"compiled {what} (default: powers of two up to the maximum; "
+                            "for pages with the cpu and pallas backends, the maximum alone)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
