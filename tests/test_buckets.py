@@ -49,6 +49,13 @@ def test_overrides_are_used_and_checked():
         Buckets.derive(0, 256, 512, 16)
 
 
+def test_token_buckets_may_start_higher():
+    b = Buckets.derive(64, 512, 2048, 16, min_tokens=16)
+    assert b.tokens == (16, 32, 64, 128, 256, 512)
+    assert b.pad_tokens(1) == 16
+    assert Buckets.derive(4, 8, 64, 16, min_tokens=16).tokens == (8,)  # budget below it
+
+
 def test_fixed_pages_is_one_width_the_widest():
     b = Buckets.derive(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
                        page_size=16, fixed_pages=True)

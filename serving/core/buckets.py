@@ -49,18 +49,20 @@ class Buckets:
     def derive(cls, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                page_size: int, tokens: Sequence[int] | None = None,
                requests: Sequence[int] | None = None,
-               pages: Sequence[int] | None = None, fixed_pages: bool = False) -> Buckets:
+               pages: Sequence[int] | None = None, fixed_pages: bool = False,
+               min_tokens: int = 1) -> Buckets:
         """Powers of two up to each maximum, the maximum itself last; overrides are checked.
         fixed_pages: one page-table width, ceil(max_model_len / page_size), unless `pages`
-        says otherwise."""
+        says otherwise. min_tokens (a power of two): the smallest token bucket."""
         for name, v in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len), ("page_size", page_size)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         max_pages = -(-max_model_len // page_size)
-        if tokens is None:  # from 1: a lone decode stream computes one row, not eight
-            tokens = _powers_of_two(1, max_num_batched_tokens)
+        if tokens is None:  # from 1 on CPUs: a lone decode stream computes one row, not eight
+            tokens = _powers_of_two(min(min_tokens, max_num_batched_tokens),
+                                    max_num_batched_tokens)
         if requests is None:
             requests = _powers_of_two(1, max_num_seqs)
         if pages is None:
