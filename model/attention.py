@@ -8,18 +8,22 @@ Model code never picks a backend; `backend` comes from the engine's configuratio
   "auto" picks off-GPU where the C++ kernel is unavailable.
 - "pallas": the ragged paged-attention Pallas kernel (Triton lowering); compiled on a GPU,
   run by the Pallas interpreter elsewhere (slow: for tests).
+- "pallas_pages": its second variant (pallas_kernels.ragged_paged_attention_pages), which
+  reads K/V a whole page (or several) at a time; the first GPU run compares the two.
 """
 from __future__ import annotations
 
 import jax
 
+from model.config import ATTENTION_BACKENDS
 from pallas_kernels import cpu_ffi
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
 from pallas_kernels.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_pages import ragged_paged_attention_pages
 
-BACKENDS = ("reference", "blocked", "cpu", "pallas")
+BACKENDS = ATTENTION_BACKENDS
 # Backends whose kernel reads only the pages a token can see: a page table wider than the
 # step needs costs them nothing, so the engine compiles one width (the widest) for them.
 # "reference" and "blocked" gather every page of the table.
@@ -65,4 +69,6 @@ def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
         return ragged_paged_attention_cpu(*args)
     if backend == "pallas":
         return ragged_paged_attention(*args, interpret=pallas_interpret())
+    if backend == "pallas_pages":
+        return ragged_paged_attention_pages(*args, interpret=pallas_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -16,6 +16,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # KV cache storage (model/kv_cache.py): "auto" is the model's dtype; a float dtype stores K/V
 # rounded to it; int8 / fp8 store them quantized with a scale per (token, KV head).
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
+# model/attention.py's backends ("auto" picks one for the device): named here, without JAX,
+# for the CLI's choices.
+ATTENTION_BACKENDS = ("reference", "blocked", "cpu", "pallas", "pallas_pages")
 
 
 class ConfigError(ValueError):

@@ -30,19 +30,31 @@ def is_prepared(params) -> bool:
     return isinstance(params["layers"], tuple)
 
 
-def prepare_params(params, pack: bool | None = None):
+def prepare_params(params, pack: bool | None = None, free_stacked: bool = False):
     """Stored tree -> run tree (a tree already prepared comes back as it is).
 
     pack: pack int8 weights for the CPU kernel; None: when the default backend is a CPU and
-    the kernel builds."""
+    the kernel builds.
+    free_stacked: delete each stacked layer array once its layers are sliced out, so the
+    device holds the weights about once (plus one stacked array) rather than twice; the
+    caller's stored tree is unusable afterwards (the engine's load path)."""
     if is_prepared(params):
         return params
     if pack is None:
         pack = _has_int8(params) and packed.kernels_available()
     layers = params["layers"]
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    per_layer = tuple(_join_projections(jax.tree.map(lambda a: a[i], layers))
-                      for i in range(num_layers))
+    leaves, treedef = jax.tree.flatten(layers)
+    num_layers = leaves[0].shape[0]
+    sliced = []  # per leaf: its layers
+    for i in range(len(leaves)):
+        stacked, leaves[i] = leaves[i], None
+        sliced.append([stacked[j] for j in range(num_layers)])
+        if free_stacked and isinstance(stacked, jax.Array):
+            stacked.delete()
+        del stacked
+    per_layer = tuple(_join_projections(jax.tree.unflatten(treedef, [s[j] for s in sliced]))
+                      for j in range(num_layers))
+    del sliced
     params = {**params, "layers": per_layer}
     return _pack(params) if pack else params
 

@@ -68,8 +68,18 @@ def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str
     """-> (logits float32[R, V], new cache) for the tokens named by `batch.logits_indices`.
 
     Pure: jit it with the cache donated. params: stored or, to run fast, prepared once with
-    `model.runtime_params.prepare_params`. The layers are unrolled, each reading its own
-    weights and its slice of the cache at a static layer index."""
+    `model.runtime_params.prepare_params`."""
+    params = prepare_params(params)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
+    return compute_logits(params, hidden[batch.logits_indices], cfg), cache
+
+
+def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
+                   backend: str = "reference"):
+    """-> (hidden [T, hidden_size] before the final norm, new cache): every token's last
+    residual stream, for callers that need more than one row's logits (prompt logprobs).
+    The layers are unrolled, each reading its own weights and its slice of the cache at a
+    static layer index."""
     params = prepare_params(params)
     x = embed(params["embed"], batch.input_ids, cfg.dtype)
     layer = DecoderLayer(cfg, backend)
@@ -77,13 +87,18 @@ def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str
     for i in range(cfg.num_layers):
         x, cache = layer.apply({"params": params["layers"][i]}, x, cache, i,
                                jnp.int32(windows[i]), batch)
-    x = x[batch.logits_indices]
-    x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, x)
+    return x, cache
+
+
+def compute_logits(params, hidden, cfg: ModelConfig):
+    """hidden: [N, hidden_size] from forward_hidden -> logits float32[N, V]."""
+    params = prepare_params(params)
+    x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, hidden)
     if "lm_head" not in params:  # tied, and not packed apart by prepare_params
         logits = matmul_t(x, params["embed"])
     else:
         logits = matmul(x, params["lm_head"]["kernel"])
-    return logits.astype(jnp.float32), cache
+    return logits.astype(jnp.float32)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

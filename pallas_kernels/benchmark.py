@@ -16,6 +16,8 @@ import numpy as np
 from pallas_kernels.block_sizes import AttentionBlockSizes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_kernel import block_sizes_for, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_pages import (page_block_sizes,
+                                                        ragged_paged_attention_pages)
 from pallas_kernels.testing import Case, layout
 
 
@@ -120,8 +122,9 @@ def attention_fn(backend: str, sizes: AttentionBlockSizes | None = None):
         args = (q, k, v, 0, pos, req, pt, 0, q.shape[-1] ** -0.5, ks, vs)
         if backend == "reference":
             return ragged_paged_attention_reference(*args)
-        return ragged_paged_attention(*args, sizes=sizes,
-                                      interpret=jax.default_backend() != "gpu")
+        kernel = ragged_paged_attention_pages if backend == "pallas_pages" else \
+            ragged_paged_attention
+        return kernel(*args, sizes=sizes, interpret=jax.default_backend() != "gpu")
     return run
 
 
@@ -147,11 +150,13 @@ def bench_shape(s: Shape, backends, copy_bw: float, sizes=None, ref_limit=1 << 3
         row[f"{backend}_ms"] = seconds * 1e3
         row[f"{backend}_GBps"] = nbytes / seconds / 1e9
         row[f"{backend}_pct_copy"] = 100 * nbytes / seconds / copy_bw
-    if "pallas" in backends:
-        used = sizes or block_sizes_for(case.q.shape, s.kv_heads, case.page_table.shape,
-                                        s.page_size)
-        row["tiles"] = (f"q{used.block_q}/kv{used.block_kv}/s{used.num_splits}"
-                        f"/w{used.num_warps}/st{used.num_stages}")
+    for backend, choose, column in (("pallas", block_sizes_for, "tiles"),
+                                    ("pallas_pages", page_block_sizes, "page_tiles")):
+        if backend in backends:
+            used = sizes or choose(case.q.shape, s.kv_heads, case.page_table.shape,
+                                   s.page_size)
+            row[column] = (f"q{used.block_q}/kv{used.block_kv}/s{used.num_splits}"
+                           f"/w{used.num_warps}/st{used.num_stages}")
     return row
 
 

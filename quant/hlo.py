@@ -8,8 +8,12 @@ m, it compiles `matmul(x[m, k], w[k, n])` as the model calls it and reads the op
   only fp8 per tensor can.
 - "triton, convert fused": the int8/fp8 -> bf16 convert runs inside the Triton GEMM, so the
   weights are read once in 8 bits (what weight-only quantization needs to be fast).
-- "cublas + separate convert": a fusion writes a bf16 copy of the weights first, then cuBLAS:
-  slower than bf16 itself; the fix is a Pallas fused-dequant matmul.
+- "cublas + separate convert" / "triton + separate convert": a fusion writes a bf16 copy of
+  the weights first, then the GEMM: slower than bf16 itself.
+Triton GEMMs are recognised by XLA's fusion kinds (TRITON_GEMM_KINDS), checked against
+modules jaxlib 0.11.2 really compiled for an H200 (tests/data/gpu_hlo, captured without a GPU
+by scripts/capture_gpu_hlo.py; nothing autotuned there, so the choice a real H200 makes is
+what this module reports when run on one).
 Then it times each compiled program. On a CPU the HLO holds plain dots ("dot").
 """
 from __future__ import annotations
@@ -50,20 +54,47 @@ def computations(hlo: str) -> dict[str, str]:
     return out
 
 
+# XLA's fusion kinds for a GEMM emitted by Triton: jaxlib 0.11.2 emits the nested form (the
+# dot's operands as nested fusions, tiled by "block_level_fusion_config"), older XLA the plain
+# one. tests/data/gpu_hlo holds captured modules (scripts/capture_gpu_hlo.py).
+TRITON_GEMM_KINDS = ("__triton_nested_gemm_fusion", "__triton_gemm")
+_TRITON_FUSION = re.compile(r'calls=%?([\w.\-]+).*?"kind":"(' + "|".join(TRITON_GEMM_KINDS)
+                            + r')"')
+
+
+def _reachable(comps: dict[str, str], name: str) -> str:
+    """The body of computation `name` and of every computation it calls (nested fusions)."""
+    seen, todo, bodies = set(), [name], []
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        bodies.append(comps[c])
+        todo += re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", comps[c])
+    return "\n".join(bodies)
+
+
+def _converts_weights(comps: dict[str, str]) -> bool:
+    """Some fusion reads 8-bit values and converts them (a widened copy written to memory)."""
+    return any("convert" in body and re.search(r"(s8|f8e4m3fn)\[", body)
+               for body in comps.values())
+
+
 def classify(hlo: str) -> str:
     """Which GEMM the optimized HLO of one matmul uses (see the module docstring)."""
     if "__cublas$lt$matmul$f8" in hlo:
         return "cublasLt fp8"
     comps = computations(hlo)
-    calls = re.findall(r'calls=%?([\w.\-]+).*?"kind":"__triton_gemm"', hlo)
+    calls = [m.group(1) for m in _TRITON_FUSION.finditer(hlo)]
     if calls:
-        fused = any(re.search(r"(s8|f8e4m3fn)\[", comps.get(c, "")) and "convert" in
-                    comps.get(c, "") for c in calls)
-        return "triton, convert fused" if fused else "triton"
+        bodies = [_reachable(comps, c) for c in calls]
+        fused = any(re.search(r"(s8|f8e4m3fn)\[", b) and "convert(" in b for b in bodies)
+        if fused:
+            return "triton, convert fused"
+        return "triton + separate convert" if _converts_weights(comps) else "triton"
     if "__cublas$" in hlo:
-        separate = any("convert" in body and re.search(r"(s8|f8e4m3fn)\[", body)
-                       for body in comps.values())
-        return "cublas + separate convert" if separate else "cublas"
+        return "cublas + separate convert" if _converts_weights(comps) else "cublas"
     return "dot" if " dot(" in hlo or "dot." in hlo else "?"
 
 

@@ -2,9 +2,15 @@
 
 Writes a Llama-3.1-8B-shaped config.json (or --tiny's) to a temporary folder, builds
 LLMEngine(load_format="dummy") once, and for each batch size runs that many requests of
---prompt-len random tokens for --output-len tokens (greedy, ignore_eos). Decode is timed from
-the step after every request has its first token to the last step. Reports tokens/s, step time
-and the weight-streaming bound: (weight bytes a step must read) / (measured copy bandwidth).
+--prompt-len random tokens for --output-len tokens (greedy, ignore_eos). Only steps in which
+every one of the batch's requests decodes are timed (prefill steps, and the steps where some
+requests have not started or have already finished, are not): the step budget is large
+enough that all prompts are in before the first request ends. Reports tokens/s, step time and
+the memory-read bound of such a step: (weight bytes it streams + the KV cache it reads at the
+batch's mean context) / (measured copy bandwidth); pct_of_bound = bound / measured step time.
+
+--default-sizing leaves the KV cache to the engine's memory plan (--gpu-memory-utilization)
+instead of sizing it for the batch, and reports the device's peak memory after warm-up.
 
     PYTHONPATH=. python scripts/bench_decode.py --batch-sizes 1,16,64,256     # GPU, 8B shape
     PYTHONPATH=. python scripts/bench_decode.py --tiny                        # CPU smoke run
@@ -51,6 +57,13 @@ def parse_args():
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--quantize", default=None, help="weight recipe, e.g. int8 / fp8")
     p.add_argument("--kv-cache-dtype", default=None, help="auto / int8 / fp8")
+    p.add_argument("--default-sizing", action="store_true",
+                   help="the engine's own KV cache sizing (the memory plan), not the batch's")
+    p.add_argument("--compilation-cache-dir", default="",
+                   help="JAX's persistent compilation cache ('' off: every run compiles)")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="build and warm up the engine, report, and stop (with the same "
+                        "options and --compilation-cache-dir: a warm restart)")
     p.add_argument("--max-seconds", type=float, default=float("inf"),
                    help="skip the remaining batch sizes once this much time has passed")
     p.add_argument("--out", type=Path, help="append the table to this file")
@@ -73,7 +86,9 @@ def engine_config(args, model_dir: Path):
     from serving.core.config import EngineConfig
     page_size = 16
     max_seqs = max(args.batch_sizes)
-    budget = max(max_seqs, 64)
+    # Every prompt admitted in a few steps, so the whole batch decodes together for most of
+    # --output-len (at 64 tokens a step, a batch of 256 never ran full).
+    budget = max(max_seqs, 64, min(4096, max_seqs * args.prompt_len))
     tokens = tuple(sorted(set(args.batch_sizes) | {budget}))
     max_pages = -(-args.max_model_len // page_size)
     cfg = ModelConfig.from_dir(model_dir, args.dtype)
@@ -84,42 +99,48 @@ def engine_config(args, model_dir: Path):
         extra["kv_cache_dtype"] = args.kv_cache_dtype
     page_bytes = bytes_per_page(cfg, page_size, *([args.kv_cache_dtype] if args.kv_cache_dtype
                                                   else []))
+    if not args.default_sizing:
+        extra["kv_cache_memory"] = (max_seqs * max_pages + 2) * page_bytes
     return EngineConfig(
         model=str(model_dir), load_format="dummy", dtype=args.dtype,
         attention_backend=args.attention_backend, max_num_seqs=max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=budget, page_size=page_size,
-        kv_cache_memory=(max_seqs * max_pages + 2) * page_bytes, token_buckets=tokens,
-        request_buckets=tokens, page_buckets=(max_pages,), progress=False, **extra)
+        token_buckets=tokens, request_buckets=tuple(sorted(set(args.batch_sizes) | {max_seqs})),
+        page_buckets=(max_pages,), compilation_cache_dir=args.compilation_cache_dir,
+        progress=False, **extra)
 
 
 def run_batch(engine, batch: int, args, rng) -> dict:
+    """Runs one batch; times the steps in which all `batch` requests decode a token."""
     from serving.core.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     vocab = engine.cfg.vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, rng.integers(3, vocab, args.prompt_len).tolist(), params)
-    counts = dict.fromkeys(ids, 0)
     started = time.perf_counter()
-    decode_start = None
-    decode_steps = decode_tokens = 0
+    seconds, emitted = [], []  # per engine.step(): its time, and the decode tokens it emitted
     while engine.has_unfinished:
+        t0 = time.perf_counter()
         outputs = engine.step()
-        new = 0
-        for out in outputs:
-            new += len(out.new_token_ids)
-            counts[out.request_id] += len(out.new_token_ids)
-        if decode_start is not None:
-            decode_steps += 1
-            decode_tokens += new
-        elif all(counts.values()):  # prefill done: time every later step
-            decode_start = time.perf_counter()
+        seconds.append(time.perf_counter() - t0)
+        emitted.append(sum(1 for o in outputs if len(o.new_token_ids) == 1))
     total = time.perf_counter() - started
-    seconds = time.perf_counter() - decode_start if decode_start else float("nan")
-    return dict(batch=batch, decode_steps=decode_steps, decode_tokens=decode_tokens,
-                decode_s=seconds, step_ms=1e3 * seconds / max(decode_steps, 1),
-                tok_per_s=decode_tokens / seconds if decode_steps else float("nan"),
-                prefill_s=total - (seconds if decode_start else 0.0))
+    # step() emits the previous step's tokens while the device runs its own: step i ran a
+    # full batch when step i + 1 emitted `batch` tokens. Step i is timed when step i - 1 was
+    # full too (steady state: the timing of i holds no prefill).
+    full = [i for i in range(1, len(seconds) - 1)
+            if emitted[i + 1] == batch and emitted[i] == batch]
+    decode_s = sum(seconds[i] for i in full)
+    steps = len(full)
+    # Mean context a timed step reads: the prompt plus each request's tokens through it.
+    through = np.cumsum(emitted)  # tokens emitted by the end of each step() call
+    mean_ctx = (args.prompt_len + float(np.mean([through[i + 1] for i in full])) / batch
+                if steps else float("nan"))
+    return dict(batch=batch, decode_steps=steps, decode_tokens=steps * batch,
+                decode_s=decode_s, step_ms=1e3 * decode_s / steps if steps else float("nan"),
+                tok_per_s=steps * batch / decode_s if steps else float("nan"),
+                mean_context=mean_ctx, other_s=total - decode_s)
 
 
 def streamed_weight_bytes(engine) -> int:
@@ -131,15 +152,19 @@ def streamed_weight_bytes(engine) -> int:
 
 
 def build(args, model_dir: Path):
+    """-> (engine, seconds its warm-up took: compiling, or loading from the cache)."""
     from serving.engine.llm_engine import LLMEngine
     engine = LLMEngine(engine_config(args, model_dir))
-    return engine, engine.warmup().wall
+    started = time.perf_counter()
+    engine.warmup()
+    return engine, time.perf_counter() - started
 
 
 def main() -> int:
     args = parse_args()
     warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
     from pallas_kernels.benchmark import copy_bandwidth
+    from serving.engine.runner import device_memory_bytes, device_peak_bytes
 
     def emit(line: str) -> None:
         print(line, flush=True)
@@ -172,12 +197,23 @@ def main() -> int:
         streamed = streamed_weight_bytes(engine)
         bound_ms = 1e3 * streamed / bw
         emit(f"# {engine.describe()}")
-        emit(f"# warm-up compiled {len(engine.step_shapes)} programs in {compile_s:.1f} s; copy "
+        if engine.memory_plan is not None:
+            emit(f"# {engine.memory_plan.describe()}")
+        peak = device_peak_bytes()
+        if peak is not None:
+            emit(f"# device peak memory after warm-up {peak / 2**30:.2f} GiB (limit "
+                 f"{(device_memory_bytes() or 0) / 2**30:.2f} GiB)")
+        emit(f"# warm-up of {len(engine.step_shapes)} programs took {compile_s:.1f} s (compilation "
+             f"cache {args.compilation_cache_dir or 'off'}); copy "
              f"bandwidth {bw / 1e9:.1f} GB/s; weights streamed per step "
              f"{streamed / 2**30:.2f} GiB -> bound {bound_ms:.2f} ms/step")
         emit(f"# prompt {args.prompt_len} tokens, {args.output_len} output tokens, "
              f"dtype {args.dtype}, attention {engine.attention_backend}")
-        emit("batch | decode_steps | step_ms | tok_per_s | bound_ms | pct_of_bound | prefill_s")
+        if args.warmup_only:
+            emit(f"# warm-up only: engine built and warm {time.perf_counter() - began:.1f} s "
+                 "after start")
+            return 1 if failures else 0
+        emit("batch | full_steps | step_ms | tok_per_s | bound_ms | pct_of_bound | other_s")
         rng = np.random.default_rng(0)
         for batch in args.batch_sizes:
             if time.perf_counter() - began > args.max_seconds:
@@ -191,9 +227,14 @@ def main() -> int:
                 traceback.print_exc()
                 engine.fail_all("benchmark error")  # next batch starts clean
                 continue
-            pct = 100 * bound_ms / r["step_ms"]
+            if not r["decode_steps"]:
+                emit(f"# batch {batch}: no step ran the whole batch (raise --output-len)")
+            kv_read = batch * r["mean_context"] * engine.kv_cache_bytes / (
+                (engine.num_pages) * engine.config.page_size)
+            step_bound_ms = 1e3 * (streamed + kv_read) / bw
+            pct = 100 * step_bound_ms / r["step_ms"]
             emit(f"{batch} | {r['decode_steps']} | {r['step_ms']:.2f} | {r['tok_per_s']:.1f} | "
-                 f"{bound_ms:.2f} | {pct:.1f} | {r['prefill_s']:.2f}")
+                 f"{step_bound_ms:.2f} | {pct:.1f} | {r['other_s']:.2f}")
     return 1 if failures else 0
 
 

@@ -1,5 +1,6 @@
-"""Times the ragged paged-attention kernel over a sweep and prints achieved memory bandwidth
-(bytes that must move: K/V pages in use, queries, output) next to the measured copy bandwidth.
+"""Times both ragged paged-attention kernels (per-key gathers: pallas; whole pages: pallas_pages)
+over a sweep and prints achieved memory bandwidth (bytes that must move: K/V pages in use,
+queries, output) next to the measured copy bandwidth.
 
     PYTHONPATH=. python scripts/bench_kernels.py                 # GPU: kernel (+ reference)
     PYTHONPATH=. python scripts/bench_kernels.py --quick         # CPU: tiny sweep, reference only
@@ -55,7 +56,8 @@ def tune_sweep() -> list[Shape]:
 
 
 COLUMNS = ["case", "T", "batch", "ctx", "q_len", "G", "D", "page", "kv", "tiles",
-           "pallas_ms", "pallas_GBps", "pallas_pct_copy", "reference_ms", "reference_GBps",
+           "pallas_ms", "pallas_GBps", "pallas_pct_copy", "page_tiles", "pallas_pages_ms",
+           "pallas_pages_GBps", "pallas_pages_pct_copy", "reference_ms", "reference_GBps",
            "reference_pct_copy"]
 
 
@@ -89,6 +91,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny sweep (CPU: reference only)")
     p.add_argument("--tune", action="store_true", help="also sweep tiles of a few decode cases")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--cases", type=int, default=None,
+                   help="only the first N cases of the sweep (the goal cases come first), "
+                        "leaving time for --tune")
     p.add_argument("--max-seconds", type=float, default=float("inf"))
     p.add_argument("--out", type=Path, help="append the table to this file")
     args = p.parse_args()
@@ -100,7 +105,8 @@ def main() -> int:
     bw = copy_bandwidth()
     table.line(f"# bench_kernels on {dev.device_kind} ({jax.default_backend()}), jax "
                f"{jax.__version__}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
-    backends = ["pallas"] if on_gpu else []
+    # Both kernels on every case: the faster becomes attention "auto"'s choice.
+    backends = ["pallas", "pallas_pages"] if on_gpu else []
     if not args.no_reference:
         backends.append("reference")
     if not on_gpu:
@@ -108,6 +114,7 @@ def main() -> int:
                    "reference alone")
     table.header()
     shapes = cpu_sweep() if (args.quick or not on_gpu) else gpu_sweep()
+    shapes = shapes[:args.cases] if args.cases else shapes
     failures = 0
     for shape in shapes:
         if time.perf_counter() - started > args.max_seconds:

@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: input-len + output-len")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=float, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache bytes (20GiB, 2000000000)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--token-buckets", type=ints, default=None)
     p.add_argument("--page-buckets", type=ints, default=None)

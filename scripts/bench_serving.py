@@ -5,6 +5,12 @@ the way `vllm bench serve` measures.
         --tokenizer DIR --dataset random --input-len 128 --output-len 128 \\
         --num-prompts 64 --max-concurrency 16 [--save-result out.json]
     python scripts/bench_serving.py ... --sweep 1,4,16 --plot sweep.png
+    python scripts/bench_serving.py ... --dataset multi-turn --num-prompts 16 \
+        --num-turns 4 --system-len 1000 --max-concurrency 16   (16 conversations)
+    python scripts/bench_serving.py ... --dataset few-shot --num-examples 8
+
+The multi-turn and few-shot datasets (scripts/bench_conversations.py) share prompt prefixes
+the way chat traffic does, for servers with a prefix cache.
 
 Every request streams with stream_options.include_usage. Definitions (vLLM's):
   TTFT  send -> first SSE chunk with a non-empty `choices` (even if its text is empty)
@@ -158,6 +164,7 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)  # s
     start: float = 0.0  # perf_counter at send
     error: str = ""
+    text: str = ""  # the generated text (a multi-turn conversation sends it back)
 
 
 def chunk_timing(start: float, chunk_times: list[float]) -> tuple[float, list[float], float]:
@@ -279,7 +286,9 @@ async def send_request(session, url: str, body: dict, prompt_len: int) -> Reques
                     usage = data["usage"]
                 if data.get("choices"):
                     chunk_times.append(now)
-                    text_chunks += bool(chunk_text(data))
+                    piece = chunk_text(data)
+                    text_chunks += bool(piece)
+                    out.text += piece
     except Exception as e:  # noqa: BLE001 - any failure is one failed request, not a crash
         out.error = f"{type(e).__name__}: {e}"
         return out
@@ -400,11 +409,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
     p.add_argument("--endpoint", default="/v1/completions",
                    choices=["/v1/completions", "/v1/chat/completions"])
-    p.add_argument("--dataset", default="random", choices=["random", "synthetic-chat"])
+    p.add_argument("--dataset", default="random",
+                   choices=["random", "synthetic-chat", "multi-turn", "few-shot"])
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (random words without)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048, help="synthetic-chat length cap")
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--system-len", type=int, default=1000,
+                   help="multi-turn: tokens of the shared system prompt")
+    p.add_argument("--user-len", type=int, default=30,
+                   help="multi-turn: tokens per user message; few-shot: per question")
+    p.add_argument("--num-examples", type=int, default=8, help="few-shot: examples per prompt")
+    p.add_argument("--num-tasks", type=int, default=4, help="few-shot: distinct preambles")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0)
@@ -421,7 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_dataset(args, tokenizer) -> list[SampleRequest]:
+def build_dataset(args, tokenizer) -> list:
+    """SampleRequests; for multi-turn, --num-prompts conversations."""
+    import bench_conversations as bc
+    if args.dataset == "multi-turn":
+        return bc.multi_turn_dataset(args.num_prompts, args.num_turns, args.system_len,
+                                     args.user_len, args.output_len, args.seed, tokenizer)
+    if args.dataset == "few-shot":
+        return bc.few_shot_dataset(args.num_prompts, args.num_tasks, args.num_examples,
+                                   args.input_len // 4, args.user_len, args.output_len,
+                                   args.seed, tokenizer)
     if args.dataset == "random":
         return random_dataset(args.num_prompts, args.input_len, args.output_len, args.seed, tokenizer)
     return synthetic_chat_dataset(args.num_prompts, args.input_len, args.output_len, args.seed,
@@ -442,7 +468,12 @@ def main(argv=None) -> int:
     common = dict(burstiness=args.burstiness, seed=args.seed, ignore_eos=args.ignore_eos,
                   temperature=args.temperature, num_warmups=args.num_warmups,
                   percentiles=percentiles)
-    if not args.sweep:
+    if args.dataset == "multi-turn":
+        import bench_conversations as bc
+        results = asyncio.run(bc.run_conversations(
+            args.base_url, model, requests, max_concurrency=args.max_concurrency or 16,
+            ignore_eos=args.ignore_eos, temperature=args.temperature))
+    elif not args.sweep:
         result = asyncio.run(run_benchmark(
             args.base_url, args.endpoint, model, requests, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, **common))

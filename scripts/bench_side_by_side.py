@@ -3,6 +3,13 @@ transformers baseline, the same demo model and the same requests, the servers ta
 level by level, --rounds times.
 
     python scripts/bench_side_by_side.py [--levels 1:4,16:16,64:64] [--only ours,llama.cpp,hf]
+    python scripts/bench_side_by_side.py --dataset multi-turn --levels 16:16 \
+        --only ours,ours-nocache,llama.cpp
+
+--dataset multi-turn (a shared system prompt, conversations resending their history) or
+few-shot (prompts sharing worked examples), from scripts/bench_conversations.py, measure
+prefix caching: `ours-nocache` is our server with --no-enable-prefix-caching. For
+multi-turn, NUM_PROMPTS is the number of conversations.
 
 Each level is CONCURRENCY:NUM_PROMPTS; each level of each round sends NUM_PROMPTS prompts of
 its own, the same to every server, from one seeded random dataset (fixed --input-len /
@@ -39,11 +46,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_conversations as bc  # noqa: E402
 import bench_serving as bs  # noqa: E402
 
 LLAMA_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xlaserve" / "llama.cpp"
-BEGIN, END = "<!-- side-by-side:begin -->", "<!-- side-by-side:end -->"
-SERVERS = ("ours", "llama.cpp", "hf")
+
+
+def markers(name: str = "side-by-side") -> tuple[str, str]:
+    """The comments around a generated section of docs/benchmarks.md."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = markers()
+SERVERS = ("ours", "ours-nocache", "llama.cpp", "hf")
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------
@@ -129,11 +144,22 @@ class Server:
         self.log.close()
 
 
+def context_len(args) -> int:
+    """Tokens one sequence may need: a whole conversation for multi-turn."""
+    if args.dataset == "multi-turn":
+        return args.system_len + args.num_turns * (args.user_len + args.output_len + 16) + 32
+    if args.dataset == "few-shot":
+        return args.num_examples * (args.user_len + args.input_len // 4 + 12) + 64 + \
+            args.output_len
+    return args.input_len + args.output_len + 16
+
+
 def server_command(name: str, args, port: int | str, hf_dir: Path) -> list[str]:
-    max_len = args.input_len + args.output_len + 16
-    if name == "ours":
+    max_len = context_len(args)
+    if name in ("ours", "ours-nocache"):
+        off = ["--no-enable-prefix-caching"] if name == "ours-nocache" else []
         return [sys.executable, "-m", "serving", "serve", "--port", str(port),
-                "--max-num-seqs", str(args.slots), *shlex.split(args.ours_args)]
+                "--max-num-seqs", str(args.slots), *off, *shlex.split(args.ours_args)]
     if name == "llama.cpp":
         from model.demo import demo_gguf_path
         return [str(ensure_llama_server()), "-m", str(demo_gguf_path()), "--host", "127.0.0.1",
@@ -171,16 +197,23 @@ def run_level(live: tuple[Server, str, float], conc: int, warmup, requests, args
     server, model, ready = live
     print(f"\n[{server.name}] round {rnd + 1}: concurrency {conc}, {len(requests)} prompts",
           flush=True)
-    asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, [warmup],
-                                 max_concurrency=1, num_warmups=0, quiet=True))
-    r = asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, requests,
-                                     max_concurrency=conc, seed=args.seed, num_warmups=0))
+    if args.dataset == "multi-turn":  # a warm-up conversation, then the level's
+        asyncio.run(bc.run_conversations(server.base_url, model, [warmup], max_concurrency=1,
+                                         quiet=True))
+        r = asyncio.run(bc.run_conversations(server.base_url, model, requests,
+                                             max_concurrency=conc))
+    else:
+        asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, [warmup],
+                                     max_concurrency=1, num_warmups=0, quiet=True))
+        r = asyncio.run(bs.run_benchmark(server.base_url, "/v1/completions", model, requests,
+                                         max_concurrency=conc, seed=args.seed, num_warmups=0))
     for key in ("input_lens", "output_lens", "ttfts", "itls"):
-        r.pop(key)
+        r.pop(key, None)
     return r | {"server": server.name, "sweep_value": conc, "startup_s": ready, "round": rnd}
 
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+TURN_METRICS = ("median_ttft_first_turn_ms", "median_ttft_later_turns_ms")  # multi-turn only
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -191,7 +224,8 @@ def summarize(runs: list[dict]) -> list[dict]:
     rows = []
     for rs in groups.values():
         row = {k: v for k, v in rs[0].items() if k != "round"}
-        row |= {m: statistics.median(r[m] for r in rs) for m in METRICS}
+        row |= {m: statistics.median(r[m] for r in rs) for m in METRICS + TURN_METRICS
+                if m in rs[0]}
         row |= {"failed": sum(r["failed"] for r in rs), "rounds": len(rs)}
         rows.append(row)
     return rows
@@ -215,26 +249,31 @@ def _ratio(values: list[float]) -> str:
     return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
 
 
-def render_section(runs: list[dict], meta: dict) -> str:
+def render_section(runs: list[dict], meta: dict, name: str = "side-by-side",
+                   plot: str = "benchmarks.png") -> str:
+    begin, end = markers(name)
     results = summarize(runs)
     by = {(r["server"], r["sweep_value"]): r for r in results}
     levels = sorted({r["sweep_value"] for r in results})
     servers = [s for s in SERVERS if any(r["server"] == s for r in results)]
     rounds = max(r["rounds"] for r in results)
+    turns_head = (" TTFT first turns (ms) | TTFT later turns (ms) |"
+                  if TURN_METRICS[0] in results[0] else "")
     how = (f"{rounds} rounds, each level run on every server back to back; each figure is the "
            "median over the rounds" if rounds > 1 else "one round")
-    lines = [BEGIN, "", f"Run {meta['date']} on {meta['machine']}; "
+    lines = [begin, "", f"Run {meta['date']} on {meta['machine']}; "
              f"commit {meta['commit']}; {meta['workload']}; {how}; load average "
              f"{meta.get('load_end', 0):.1f} at the end.", "",
              "| streams | prompts | server | output tok/s | median TTFT (ms) | median TPOT (ms) "
-             "| p99 ITL (ms) | failed |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| p99 ITL (ms) | failed |" + turns_head,
+             "|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * (2 if turns_head else 0)]
     for conc in levels:
         for s in servers:
             if (r := by.get((s, conc))):
+                turns = "".join(f" {_ms(r[m])} |" for m in TURN_METRICS if m in r)
                 lines.append(f"| {conc} | {r['num_prompts']} | {s} | {r['output_throughput']:.1f} "
                              f"| {_ms(r['median_ttft_ms'])} | {_ms(r['median_tpot_ms'])} "
-                             f"| {_ms(r['p99_itl_ms'])} | {r['failed']} |")
+                             f"| {_ms(r['p99_itl_ms'])} | {r['failed']} |{turns}")
     if "ours" in servers and "llama.cpp" in servers:
         lines += ["", "Ratios, ours / llama.cpp, the median of the rounds' ratios"
                   + (" (their range)" if rounds > 1 else "") + "; issue 7's goal in brackets:",
@@ -251,16 +290,17 @@ def render_section(runs: list[dict], meta: dict) -> str:
     lines += ["", "Server start-up to healthy (s): " + ", ".join(
         f"{s} {next(r['startup_s'] for r in results if r['server'] == s):.0f}" for s in servers),
         "", "Commands:", ""] + [f"- {s}: `{meta['commands'][s]}`" for s in servers]
-    lines += ["", "![output tok/s against median TPOT and TTFT](benchmarks.png)", "", END]
+    lines += ["", f"![output tok/s against median TPOT and TTFT]({plot})", "", end]
     return "\n".join(lines)
 
 
-def update_doc(path: Path, section: str) -> None:
+def update_doc(path: Path, section: str, name: str = "side-by-side") -> None:
     # A new file gets a title and the section; docs/benchmarks.md holds how we measure.
-    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
+    begin, end = markers(name)
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{begin}\n{end}\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     path.write_text(text)
@@ -280,6 +320,42 @@ def commit() -> str:
     return head + (" + uncommitted changes" if dirty.returncode else "")
 
 
+def make_plan(args, levels, tokenizer) -> list[tuple[int, int, list]]:
+    """(round, concurrency, [warm-up, *requests]) per level and round; for multi-turn the
+    items are conversations, and each level and round gets a system prompt of its own."""
+    total = args.rounds * sum(n + 1 for _, n in levels)
+    if args.dataset == "multi-turn":
+        items = iter(c for i in range(args.rounds * len(levels))
+                     for c in bc.multi_turn_dataset(
+                         max(n for _, n in levels) + 1, args.num_turns, args.system_len,
+                         args.user_len, args.output_len, args.seed + i, tokenizer))
+        return [(rnd, conc, [next(items) for _ in range(n + 1)])
+                for rnd in range(args.rounds) for conc, n in levels]
+    if args.dataset == "few-shot":
+        items = iter(bc.few_shot_dataset(total, args.num_tasks, args.num_examples,
+                                         args.input_len // 4, args.user_len, args.output_len,
+                                         args.seed, tokenizer))
+    else:
+        items = iter(bs.random_dataset(total, args.input_len, args.output_len, args.seed,
+                                       tokenizer))
+    return [(rnd, conc, [next(items) for _ in range(n + 1)])
+            for rnd in range(args.rounds) for conc, n in levels]
+
+
+def workload(args) -> str:
+    if args.dataset == "multi-turn":
+        return (f"multi-turn chat: a shared system prompt of {args.system_len} tokens, "
+                f"{args.num_turns} turns per conversation of {args.user_len}-token user "
+                f"messages and {args.output_len} output tokens (ignore_eos, greedy), each turn "
+                f"resending the history, /v1/chat/completions, seed {args.seed}")
+    if args.dataset == "few-shot":
+        return (f"few-shot prompts: {args.num_tasks} preambles of {args.num_examples} examples, "
+                f"a {args.user_len}-token question each, {args.output_len} output tokens "
+                f"(ignore_eos, greedy), /v1/completions, seed {args.seed}")
+    return (f"random prompts of {args.input_len} tokens, {args.output_len} output "
+            f"tokens (ignore_eos, greedy), /v1/completions, seed {args.seed}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1:4,16:16,64:64", help="CONCURRENCY:PROMPTS,...")
@@ -287,6 +363,13 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=130)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default="random", choices=["random", "multi-turn", "few-shot"])
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--system-len", type=int, default=1000, help="multi-turn: system prompt tokens")
+    p.add_argument("--user-len", type=int, default=30,
+                   help="multi-turn: tokens per user message; few-shot: per question")
+    p.add_argument("--num-examples", type=int, default=8, help="few-shot: examples per prompt")
+    p.add_argument("--num-tasks", type=int, default=4, help="few-shot: distinct preambles")
     p.add_argument("--slots", type=int, default=64, help="max sequences / slots / batch per server")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
     p.add_argument("--ours-args", default="--quantize int8:lm_head --kv-cache-dtype float16",
@@ -304,11 +387,7 @@ def main(argv=None) -> int:
     levels = parse_levels(args.levels)
     # Every round and level gets prompts of its own (and one for its warm-up): a server with a
     # prefix cache (llama-server) would otherwise skip the prefill of prompts seen before.
-    prompts = iter(bs.random_dataset(args.rounds * sum(n + 1 for _, n in levels),
-                                     args.input_len, args.output_len, args.seed,
-                                     bs.load_tokenizer(str(hf_dir))))
-    plan = [(rnd, conc, [next(prompts) for _ in range(n + 1)])
-            for rnd in range(args.rounds) for conc, n in levels]
+    plan = make_plan(args, levels, bs.load_tokenizer(str(hf_dir)))
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     log_dir = LLAMA_CACHE.parent / "bench-logs"
@@ -317,8 +396,7 @@ def main(argv=None) -> int:
     if "llama.cpp" in names:
         ensure_llama_server()
     meta = {"date": datetime.date.today().isoformat(), "machine": machine(), "commit": commit(),
-            "workload": f"random prompts of {args.input_len} tokens, {args.output_len} output "
-                        f"tokens (ignore_eos, greedy), /v1/completions, seed {args.seed}",
+            "workload": workload(args),
             "commands": {s: shlex.join(server_command(s, args, "PORT", hf_dir)).replace(
                 str(Path.home()), "~").replace(str(ROOT) + "/", "") for s in names}}
     runs = []
@@ -328,14 +406,17 @@ def main(argv=None) -> int:
             for name in names:
                 runs.append(run_level(live[name], conc, warmup, requests, args, rnd))
     meta["load_end"] = os.getloadavg()[0]
-    json.dump({"meta": meta, "results": runs}, open(docs / "benchmarks.json", "w"), indent=1)
+    # The chat datasets get sections and files of their own next to the random one's.
+    name = "side-by-side" + ("" if args.dataset == "random" else f"-{args.dataset}")
+    stem = "benchmarks" + ("" if args.dataset == "random" else f"-{args.dataset}")
+    json.dump({"meta": meta, "results": runs}, open(docs / f"{stem}.json", "w"), indent=1)
     results = summarize(runs)
     series = {s: sorted((r for r in results if r["server"] == s), key=lambda r: r["sweep_value"])
               for s in names}
-    bs.plot_sweep(series, str(docs / "benchmarks.png"), label_key="sweep_value",
+    bs.plot_sweep(series, str(docs / f"{stem}.png"), label_key="sweep_value",
                   title=f"demo model, {meta['workload'].split(',')[0]}; labels: streams")
-    section = render_section(runs, meta)
-    update_doc(docs / "benchmarks.md", section)
+    section = render_section(runs, meta, name, f"{stem}.png")
+    update_doc(docs / "benchmarks.md", section, name)
     print("\n" + section)
     return 0
 

@@ -12,37 +12,95 @@ import threading
 import time
 import traceback
 
-from model.config import KV_CACHE_DTYPES
-from serving.core.config import EngineConfig
+from model.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
+from serving.core.config import EngineConfig, default_cache_root
+from serving.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 
 TOOL_PARSERS = ("hermes", "llama3_json")  # serving/openai/tool_parsers.py
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="as --model (`xlaserve serve MODEL`, as `vllm serve MODEL`)")
     p.add_argument("--model", default=None,
-                   help="checkpoint or Hugging Face folder (default: the demo model)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV cache size: bytes, or a fraction (<= 1) of free device memory")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--quantize", default=None, metavar="int8|fp8",
+                   help="checkpoint or Hugging Face folder, or a Hugging Face model id "
+                        "(org/name) already in the local Hugging Face cache (HF_HOME); "
+                        "nothing is downloaded (default: the demo model)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="weights and activations; auto: the config's torch_dtype, but "
+                        "bfloat16 for a float32 model on a GPU (on a CPU: the checkpoint's)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from the folder's config.json (vLLM's name; "
+                        "for benchmarks and GPU checks)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: on a GPU the model's whole context if the KV cache holds one "
+                        "sequence of it, else as much as it holds; on a CPU at most 2048")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 512)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                   help="fraction of the GPU's total memory for weights, the largest step's "
+                        "activations and the KV cache, which gets the rest (vLLM's meaning)")
+    p.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
+                   help="KV cache size in bytes (20GiB, 20GB or 20000000000) instead of what "
+                        "--gpu-memory-utilization leaves; default off-GPU: enough for "
+                        "--max-num-seqs full sequences, at most 4 GiB")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", *ATTENTION_BACKENDS],
+                   help="auto: pallas on a GPU, the C++ kernel (cpu) or blocked elsewhere")
+    p.add_argument("--quantize", "--quantization", dest="quantize", default=None,
+                   metavar="int8|fp8",
                    help="quantize an unquantized model's weights as it loads: int8 (per "
                         "channel), fp8 (per tensor, fp8 GEMM) or a recipe such as "
                         "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: the model's dtype, a float dtype, or int8 / fp8 "
                         "with scales")
-    p.add_argument("--compilation-cache-dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help=f"JAX's persistent compilation cache (default: "
+                        f"{default_cache_root() / 'jax-cache'}); '' turns it off")
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws the seeds of requests that bring none")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top logprobs a request may ask per token (logprobs, "
+                        "prompt_logprobs); each compiled step computes this many")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV cache of prompt prefixes seen before "
+                                      "(default: on)")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
                        help=f"compiled {what} (default: powers of two up to the maximum; "
                             "for pages with the cpu and pallas backends, the maximum alone)")
+
+
+def _bytes(text: str) -> int:
+    from serving.engine.memory_plan import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows each option's default, unless its help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("xlaserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -52,27 +110,41 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _model(args) -> str | None:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit(f"error: two models given: {args.model_tag!r} and --model "
+                         f"{args.model!r}")
+    return args.model_tag or args.model
+
+
 def _engine_config(args) -> EngineConfig:
-    kwargs = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    kwargs = dict(model=_model(args), dtype=args.dtype, load_format=args.load_format,
+                  gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                  seed=args.seed, token_buckets=args.token_buckets,
+                  seed=args.seed, max_logprobs=args.max_logprobs,
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
-    if args.compilation_cache_dir:
+    if args.compilation_cache_dir is not None:  # "" turns the cache off
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return EngineConfig(**kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaserve")
+    parser.add_argument("--version", action="version", version=f"xlaserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    defaults = _DefaultsFormatter
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                           formatter_class=defaults)
     _engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: MODEL as given)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--max-queued-requests", type=int, default=None,
@@ -82,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "latency)")
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats line (throughput, KV cache, prefix cache hits)")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template (a file, or the template itself) instead "
                             "of the tokenizer's (default for the demo model: "
@@ -91,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the model's tool calls with --tool-call-parser (on for the demo)")
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                        help="how the model writes tool calls (the demo: hermes)")
-    warm = sub.add_parser("warmup", help="compile every bucket into the compilation cache")
+    warm = sub.add_parser("warmup", help="compile every bucket into the compilation cache",
+                          formatter_class=defaults)
     _engine_args(warm)
     return parser
 
@@ -110,10 +185,13 @@ def _setup_logging() -> None:
 def main(argv=None) -> int:
     started = time.perf_counter()  # "ready in" counts importing JAX and loading the model
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "warmup", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "warmup", "-h", "--help", "--version"):
         argv.insert(0, "serve")  # `python -m serving --model DIR` serves
     args = build_parser().parse_args(argv)
     _setup_logging()
+    # Before JAX starts its backend: XLA's allocator reads its limit once.
+    from serving.engine.memory_plan import configure_xla_allocator_if_unstarted
+    configure_xla_allocator_if_unstarted(args.gpu_memory_utilization)
     from serving.engine.llm_engine import LLMEngine
     try:
         chat = _chat_options(args) if args.command == "serve" else None
@@ -133,8 +211,8 @@ def main(argv=None) -> int:
 async def _serve(engine, args, chat: tuple[str | None, str | None], started: float) -> int:
     from serving.openai.api_server import run_server
     from serving.engine.async_engine import AsyncEngine
-    async_engine = AsyncEngine(engine)
-    name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
+    async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
+    name = args.served_model_name or (_model(args) or "SmolLM2-135M-Instruct")
     chat_template, tool_call_parser = chat
     server = asyncio.create_task(run_server(
         async_engine, args.host, args.port, served_model_name=name, api_key=args.api_key,
@@ -180,7 +258,7 @@ def _chat_options(args) -> tuple[str | None, str | None]:
     from serving.openai.tools import DEMO_CHAT_TEMPLATE, read_chat_template
     template, parser = args.chat_template, args.tool_call_parser
     auto = args.enable_auto_tool_choice
-    if args.model is None:
+    if _model(args) is None:
         template = template or str(DEMO_CHAT_TEMPLATE)
         if not auto and parser is None:
             auto, parser = True, "hermes"

@@ -187,16 +187,18 @@ async def _start_site(app: web.Application, port: int) -> web.AppRunner:
 
 
 @contextlib.contextmanager
-def live_server(checkpoint):
-    """One engine (ENGINE) behind run_server on a free port, in an event loop of its own
-    thread; the same loop serves three more apps over the same engine (see Live)."""
+def live_server(checkpoint, **engine_options):
+    """One engine (ENGINE, with engine_options on top) behind run_server on a free port, in
+    an event loop of its own thread; the same loop serves three more apps over the same
+    engine (see Live)."""
     from serving.openai.api_server import build_app, run_server
     from serving.openai.tools import DEMO_CHAT_TEMPLATE
     from serving.engine.async_engine import AsyncEngine
     from serving.core.config import EngineConfig
     from serving.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), progress=False, **ENGINE))
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), progress=False,
+                                    **{**ENGINE, **engine_options}))
     async_engine = AsyncEngine(engine)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="e2e-server-loop", daemon=True)

@@ -261,3 +261,61 @@ def test_side_by_side_rounds_pair_each_level(tmp_path):
     # 2.00, not 240 / 100: each round's ratio first, then their median
     assert "| 64 | 2.00 (2.00-3.00) [>= 3] | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) |" in text
     assert "| 64 | 64 | ours | 240.0 |" in text and "3 rounds" in text
+
+
+# -- chat-like datasets (scripts/bench_conversations.py) ---------------------------------------
+
+sys.path.insert(0, str(_PATH.parent))
+import bench_conversations as bc  # noqa: E402
+
+
+def test_shared_prefix_datasets_are_seeded_and_share_their_prefixes():
+    convs = bc.multi_turn_dataset(3, 4, system_len=50, user_len=5, output_len=7, seed=1)
+    assert len({c.system for c in convs}) == 1 and len(convs[0].system.split()) == 50
+    assert all(len(c.user_turns) == 4 and c.output_len == 7 for c in convs)
+    assert len({t for c in convs for t in c.user_turns}) == 12
+    assert bc.multi_turn_dataset(3, 4, 50, 5, 7, seed=1) == convs
+    shots = bc.few_shot_dataset(12, num_tasks=2, num_examples=3, example_len=6,
+                                question_len=4, output_len=5, seed=2)
+    preambles = {s.prompt.rsplit("\nQ: ", 1)[0] for s in shots}
+    assert len(preambles) == 2 and all(p.count("Example") == 3 for p in preambles)
+    assert len({s.prompt for s in shots}) == 12 and all(s.output_len == 5 for s in shots)
+
+
+def test_conversations_resend_their_history_with_the_replies():
+    seen = []
+
+    async def chat(request):
+        body = await request.json()
+        seen.append(body["messages"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        reply = f"reply{len(body['messages'])}"
+        choice = {"index": 0, "delta": {"content": reply}}
+        await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            convs = bc.multi_turn_dataset(2, 3, 10, 3, 4, seed=0)
+            return convs, await bc.run_conversations(f"http://127.0.0.1:{port}", "fake", convs,
+                                                     max_concurrency=2, quiet=True)
+        finally:
+            await runner.cleanup()
+
+    convs, r = asyncio.run(go())
+    assert (r["completed"], r["failed"], r["num_conversations"]) == (6, 0, 2)
+    assert r["median_ttft_first_turn_ms"] > 0 and r["median_ttft_later_turns_ms"] > 0
+    last = max(seen, key=len)
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "user", "assistant",
+                                         "user"]
+    assert last[2]["content"] == "reply2" and last[4]["content"] == "reply4"
+    assert any(last[1]["content"] == c.user_turns[0] for c in convs)

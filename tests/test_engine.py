@@ -264,13 +264,14 @@ def test_no_compilation_after_warmup(tiny):
     prompts = random_prompts(rng, lengths)
     kinds = [greedy(8), sampled(1, 6), greedy(5, logprobs=3), greedy(6, frequency_penalty=0.5),
              sampled(2, 9, logit_bias={7: 3.0}), SamplingParams(max_tokens=7, stop=["e"]),
-             greedy(4, presence_penalty=1.0, repetition_penalty=1.3)]
+             greedy(4, presence_penalty=1.0, repetition_penalty=1.3),
+             greedy(3, prompt_logprobs=2)]
     params = [kinds[i % len(kinds)] for i in range(len(prompts))]
     with counting_compilations() as events, recording(engine) as (_, shapes):
         tiny.generate(prompts, params)  # everything at once: prefill chunks, mixed, decode
         tiny.generate(random_prompts(rng, [5] * 6), greedy(3))  # short ones: narrow tables
         tiny.generate([[4]], sampled(3, 3))  # one short request: the smallest buckets
-        tiny.generate([prompts[lengths.index(80)]], greedy(3, logprobs=1))  # a wide table
+        tiny.generate(random_prompts(rng, [80]), greedy(3, logprobs=1))  # a wide table, unseen
     assert events == []
     assert set(shapes) == set(engine.step_shapes)  # the workload used every program
     assert engine.runner.num_compiled == len(engine.step_shapes)

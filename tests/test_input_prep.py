@@ -21,7 +21,6 @@ def scheduled(prompt, outputs, start, n, pages, params=None, seed=0):
     req = Request(f"r{random.random()}", prompt, params or SamplingParams(temperature=0), seed=seed)
     req.output_token_ids = list(outputs)
     req.num_computed_tokens = start
-    req.page_ids = list(pages)
     return ScheduledRequest(req, n, start, req.slice_token_ids(start, start + n),
                             start + n == req.num_tokens, list(pages))
 

@@ -84,6 +84,34 @@ def test_engine_kernel_configs_lower_for_cuda(name, heads, kv_heads, head_dim, d
         assert text.count(TRITON_CALL) == 1, (name, sizes, T, R, P)
 
 
+@pytest.mark.parametrize("name,heads,kv_heads,head_dim,dtype,kv_dtype,engine", MODELS,
+                         ids=[m[0] for m in MODELS])
+def test_page_block_kernel_configs_lower_for_cuda(name, heads, kv_heads, head_dim, dtype,
+                                                  kv_dtype, engine):
+    """The second variant (whole pages per tile) for every tile configuration the engine's
+    buckets give it."""
+    from pallas_kernels.ragged_paged_attention_pages import (page_block_sizes,
+                                                            ragged_paged_attention_pages)
+    max_num_seqs, max_tokens, max_len, page_size = engine
+    buckets = Buckets.derive(max_num_seqs, max_tokens, max_len, page_size)
+    configs: dict = {}
+    for T, R, P in all_step_shapes(buckets, max_num_seqs):
+        sizes = page_block_sizes((T, heads, head_dim), kv_heads, (R, P), page_size,
+                                 device_kind=DEVICE.device_kind)
+        configs[sizes] = max(configs.get(sizes, (T, R, P)), (T, R, P))
+    assert {s.num_splits for s in configs} > {1}  # both the direct and the split path
+    assert any(s.block_kv > page_size for s in configs)  # several pages per tile
+    for sizes, (T, R, P) in configs.items():
+        args = attention_args(T, R, P, heads, kv_heads, head_dim, dtype, kv_dtype, page_size)
+
+        def fn(q, k, v, layer, pos, req, pt, window, ks, vs, sizes=sizes):
+            return ragged_paged_attention_pages(q, k, v, layer, pos, req, pt, window, 0.125,
+                                                ks, vs, sizes=sizes, interpret=False)
+
+        text = lower_for_cuda(fn, *args).as_text()
+        assert text.count(TRITON_CALL) == 1, (name, sizes, T, R, P)
+
+
 def test_lowering_rejects_what_triton_cannot_do():
     """The check has teeth: a 48-key tile is no power of two, and Triton refuses it."""
     from pallas_kernels.block_sizes import AttentionBlockSizes
@@ -114,6 +142,7 @@ def test_model_forward_with_pallas_backend_lowers_for_cuda(monkeypatch):
     batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R))
     cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
     params = abstract_params(cfg)
-    lowered = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, "pallas"), params, cache,
-                             batch)
-    assert TRITON_CALL in lowered.as_text()
+    for backend in ("pallas", "pallas_pages"):
+        lowered = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, backend), params, cache,
+                                 batch)
+        assert TRITON_CALL in lowered.as_text(), backend

@@ -22,6 +22,8 @@ from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention_kernel import (
     max_query_blocks, query_blocks, ragged_paged_attention)
+from pallas_kernels.ragged_paged_attention_pages import (page_block_sizes,
+                                                        ragged_paged_attention_pages)
 from pallas_kernels.testing import layout, random_case
 
 NATIVE = os.environ.get("XLASERVE_KERNELS_NATIVE") == "1"
@@ -104,13 +106,13 @@ def _sizes(c):
 _compiled = {}
 
 
-def _kernel_fn(c):
+def _kernel_fn(c, kernel=ragged_paged_attention):
     """One compiled program per config, reused by every scenario (same shapes, new data)."""
-    key = repr(sorted((k, str(v)) for k, v in c.items()))
+    key = (kernel.__name__, repr(sorted((k, str(v)) for k, v in c.items())))
     if key not in _compiled:
         def f(q, k, v, layer, pos, req, pt, window, ks, vs):
-            return ragged_paged_attention(q, k, v, layer, pos, req, pt, window, 0.3, ks, vs,
-                                          interpret=INTERPRET, sizes=_sizes(c), poison=True)
+            return kernel(q, k, v, layer, pos, req, pt, window, 0.3, ks, vs,
+                          interpret=INTERPRET, sizes=_sizes(c), poison=True)
         _compiled[key] = jax.jit(f, compiler_options=FAST_COMPILE)
     return _compiled[key]
 
@@ -136,15 +138,52 @@ def _cases(c, rng):
                    case.args(jnp.int32(window), 0.3))
 
 
-@pytest.mark.parametrize("c", CONFIGS)
-def test_kernel_matches_reference(c):
+def _matches_reference(c, kernel):
     seed = zlib.crc32(repr(sorted((k, str(v)) for k, v in c.items())).encode())
     rng = np.random.default_rng(seed)
-    fn = _kernel_fn(c)
+    fn = _kernel_fn(c, kernel)
     ref_fn = jax.jit(ragged_paged_attention_reference, static_argnums=(8,))
     for q_lens, what, args in _cases(c, rng):
         args = (*args[:3], jnp.int32(args[3]), *args[4:])
         _check(fn(*args[:8], *args[9:]), ref_fn(*args), c["dtype"], what)
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_kernel_matches_reference(c):
+    _matches_reference(c, ragged_paged_attention)
+
+
+# The page-block variant: whole pages per tile (block_kv = 1, 2 or 4 pages), several splits,
+# GQA 1 / 3 / 4 / 8, an odd head dim, quantized K/V, a sliding window (every scenario), the
+# engine's own tiles; small grids (the interpreter's cost is grid steps x operand bytes).
+PAGES_CONFIGS = [
+    _cfg("pages-g4-d64-p16-f32-auto", 8, 2, 64, 16, 4, 2, 16, F32),
+    _cfg("pages-g3-d64-p16-bf16-decode-auto", 9, 3, 64, 16, 4, 4, 4, BF16),
+    _cfg("pages-g2-d128-p16-f32-2pages-split2", 4, 2, 128, 16, 4, 2, 8, F32, sizes=(4, 32, 2)),
+    _cfg("pages-g8-d64-p32-bf16-int8-split3", 8, 1, 64, 32, 3, 2, 8, BF16, INT8,
+         sizes=(2, 32, 3)),
+    _cfg("pages-g1-d64-p16-f16-fp8-4pages", 2, 2, 64, 16, 4, 2, 8, F16, FP8, sizes=(8, 64, 1)),
+    _cfg("pages-g3-d12-p16-f32-odd-dim", 6, 2, 12, 16, 2, 2, 8, F32),
+]
+
+
+@pytest.mark.parametrize("c", PAGES_CONFIGS)
+def test_page_block_kernel_matches_reference(c):
+    _matches_reference(c, ragged_paged_attention_pages)
+
+
+def test_page_block_tiles_are_whole_pages():
+    for page_size in (16, 32, 64, 256):
+        sizes = page_block_sizes((8, 32, 128), 8, (8, 64), page_size)
+        assert sizes.block_kv % page_size == 0 and sizes.block_kv >= page_size
+        assert sizes.num_splits <= -(-64 * page_size // sizes.block_kv)
+    with pytest.raises(ValueError, match="whole pages"):
+        q = jnp.zeros((4, 4, 64), F32)
+        kv = jnp.zeros((1, 4, 16, 2, 64), F32)
+        ragged_paged_attention_pages(q, kv, kv, 0, jnp.zeros(4, jnp.int32),
+                                     jnp.zeros(4, jnp.int32), jnp.zeros((2, 2), jnp.int32), 0,
+                                     0.1, interpret=True,
+                                     sizes=AttentionBlockSizes(4, 24, 1))
 
 
 # The blocked XLA form: every kernel config (mostly more tokens than rows: the looped form),
@@ -285,7 +324,7 @@ def test_block_sizes_decode_splits_and_prefill_tiles():
 ENGINE_OPTIONS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                       token_buckets=(16,), request_buckets=(4,), page_buckets=(4,),
                       page_size=16, kv_cache_memory=16 << 20, compilation_cache_dir=None,
-                      progress=False)
+                      progress=False, dtype="float32")  # on a GPU too: kernels compared, not dtypes
 
 
 def greedy_tokens(model_dir, backend, prompts, max_tokens=8, **options):
@@ -350,11 +389,21 @@ def test_engine_cpu_kernel_matches_reference_on_tiny_mistral(tiny_mistral):
     assert got == want
 
 
+def test_engine_page_block_kernel_matches_reference_on_tiny_mistral(tiny_mistral):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 211, n).tolist() for n in (5, 20, 33)]
+    want = greedy_tokens(tiny_mistral, "reference", prompts, max_tokens=10, load_format="dummy")
+    got = greedy_tokens(tiny_mistral, "pallas_pages", prompts, max_tokens=10,
+                        load_format="dummy")
+    assert got == want
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(NATIVE, reason="the demo model needs gguf, absent on the GPU machine")
-def test_engine_pallas_matches_reference_on_demo_model(demo_checkpoint, monkeypatch):
+@pytest.mark.parametrize("backend", ["pallas", "pallas_pages"])
+def test_engine_pallas_matches_reference_on_demo_model(demo_checkpoint, monkeypatch, backend):
+    """Real weights (the demo model, read from its GGUF file: gguf is a core dependency)."""
     small_tiles(monkeypatch, num_splits=1)
     prompts = [[1, 4093, 28, 1476, 2041, 314], list(range(200, 237)), [504, 3458, 282]]
     want = greedy_tokens(demo_checkpoint, "reference", prompts)
-    got = greedy_tokens(demo_checkpoint, "pallas", prompts)
+    got = greedy_tokens(demo_checkpoint, backend, prompts)
     assert got == want

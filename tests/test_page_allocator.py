@@ -34,12 +34,52 @@ def test_exhaustion_raises_and_changes_nothing():
     assert a.allocate(0) == []
 
 
-def test_free_order_is_fifo_and_deterministic():
-    a = PageAllocator(5)
-    p = a.allocate(4)
-    a.free([p[2]])
-    a.free([p[0]])
-    assert a.allocate(2) == [p[2], p[0]]
+def test_uncached_pages_are_reused_first_then_cached_ones_least_recently_freed_first():
+    a = PageAllocator(6)
+    p = a.allocate(5)
+    for page, h in ((p[0], b"h0"), (p[1], b"h1"), (p[2], b"h2")):
+        assert a.cache_page(page, h)
+    a.free([p[1]])
+    a.free([p[3]])  # holds nothing cached
+    a.free([p[0], p[2]])
+    assert a.num_cached_pages == 3  # freed, still findable
+    assert a.allocate(1) == [p[3]]
+    assert a.allocate(2) == [p[1], p[0]]  # evicted: no longer findable
+    assert (a.lookup(b"h1"), a.lookup(b"h0"), a.lookup(b"h2")) == (None, None, p[2])
+    assert a.num_cached_pages == 1 and a.num_evictions == 2
+
+
+def test_a_hit_takes_a_free_cached_page_out_of_the_free_queue():
+    a = PageAllocator(4)
+    [p, q] = a.allocate(2)
+    a.cache_page(p, b"h")
+    a.free([p, q])
+    assert a.num_free_pages == 3 and a.is_free(p)
+    a.touch([a.lookup(b"h")])
+    assert a.ref_count(p) == 1 and not a.is_free(p) and a.num_free_pages == 2
+    a.touch([p])  # a second request shares it
+    assert a.ref_count(p) == 2
+    assert sorted(a.allocate(2)) == sorted({1, 2, 3} - {p})
+    with pytest.raises(OutOfPagesError):
+        a.allocate(1)
+    a.free([p, p])
+    assert a.is_free(p) and a.lookup(b"h") == p
+
+
+def test_cache_page_does_not_deduplicate_and_refuses_misuse():
+    a = PageAllocator(4)
+    [p, q] = a.allocate(2)
+    assert a.cache_page(p, b"h")
+    assert not a.cache_page(q, b"h")  # same K/V elsewhere: q stays private
+    assert a.page_hash(q) is None and a.lookup(b"h") == p
+    assert a.cache_page(p, b"h")  # already so: no change
+    with pytest.raises(ValueError, match="another hash"):
+        a.cache_page(p, b"other")
+    with pytest.raises(ValueError, match="no cached"):
+        a.touch([q])
+    a.free([q])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.cache_page(q, b"x")
 
 
 def test_double_free_raises():

@@ -63,6 +63,7 @@ COMMON_BAD = [  # (field, value, param): rejected by both endpoints
     ("stream_options", {"include_usage": True}, "stream_options"),  # without stream
     ("model", 3, "model"), ("best_of", 3, "best_of"),
     ("skip_special_tokens", False, "skip_special_tokens"),
+    ("cache_salt", "", "cache_salt"), ("cache_salt", 7, "cache_salt"),
 ]
 
 
@@ -81,7 +82,10 @@ def test_bad_field_rejected(parse, field, value, param):
     ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [1, -3]}, "prompt"), ({"prompt": [True]}, "prompt"),
     ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"echo": "yes"}, "echo"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": "yes"}, "echo"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"suffix": "x"}, "suffix"), ({"prompt": ["a"] * 200, "n": 2}, "n"),
     ({"prompt": list(range(100)), "max_tokens": 29}, "max_tokens"),
     ({"prompt": list(range(128))}, "prompt"),
@@ -106,6 +110,8 @@ def test_bad_completion_request(fields, param):
     ({"messages": ["hi"]}, "messages"),
     ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+    ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages"),  # unhashable role
     ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
@@ -120,6 +126,28 @@ def test_bad_chat_request(fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
     err = _err(p.parse_chat_request, body)
     assert (err.status, err.param) == (400, param)
+
+
+def test_echo_and_prompt_logprobs_map_to_sampling_params():
+    req = _completion(prompt=[[5, 6, 7]], echo=True, logprobs=2, max_tokens=0)
+    # The prompt's entries need the same top k; echo without generation samples one token
+    # that the response drops.
+    assert (req.echo, req.echo_only, req.params.max_tokens) == (True, True, 1)
+    assert (req.params.logprobs, req.params.prompt_logprobs, req.prompt_logprobs) == (2, 2, None)
+    req = _completion(echo=True, logprobs=1, prompt_logprobs=4, max_tokens=3)
+    assert (req.echo_only, req.params.max_tokens, req.params.prompt_logprobs) == (False, 3, 4)
+    req = _completion(prompt_logprobs=0)
+    assert (req.params.logprobs, req.params.prompt_logprobs, req.prompt_logprobs) == (None, 0, 0)
+    assert _completion(echo=True).params.prompt_logprobs is None  # echo alone scores nothing
+    chat = p.parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
+                                 "prompt_logprobs": 3})
+    assert (chat.prompt_logprobs, chat.params.prompt_logprobs) == (3, 3)
+    # --max-logprobs moves the cap on all three.
+    wide = p.parse_completion_request({"prompt": "x", "logprobs": 30, "prompt_logprobs": 40,
+                                       "echo": True}, 128, max_logprobs=50)
+    assert (wide.params.logprobs, wide.params.prompt_logprobs) == (30, 40)
+    assert _err(p.parse_completion_request, {"prompt": "x", "logprobs": 3}, 128, 2).param == \
+        "logprobs"
 
 
 def test_integral_numbers_are_integers_as_json_schema_counts_them():
@@ -141,13 +169,14 @@ def test_completion_request_maps_to_sampling_params():
                       presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                       logit_bias={"7": -100, "9": 2.5}, logprobs=2, ignore_eos=True,
                       stream=True, stream_options={"include_usage": True}, user="u",
-                      some_future_field={"x": 1})
+                      some_future_field={"x": 1}, cache_salt="tenant-1")
     assert req.prompts == ["a", "b"] and req.stream and req.include_usage and not req.echo
     assert req.params == SamplingParams(
         n=3, temperature=0.0, top_p=0.9, top_k=0, min_p=0.1, seed=5, max_tokens=7,
         stop=["END"], stop_token_ids=[2], ignore_eos=True, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={7: -100.0, 9: 2.5},
-        logprobs=2)
+        logprobs=2, cache_salt="tenant-1")
+    assert _chat(cache_salt="s").params.cache_salt == "s"
     assert _completion().params == SamplingParams(max_tokens=16)
     assert _completion(prompt=[1, 2]).prompts == [[1, 2]]
     assert _completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
@@ -244,6 +273,8 @@ class Stats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.25
     num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class FakeEngine:
@@ -253,6 +284,7 @@ class FakeEngine:
     def __init__(self, tokenizer, max_model_len=64):
         self.tokenizer, self.max_model_len, self.ready = tokenizer, max_model_len, True
         self.vocab_size = len(tokenizer)
+        self.max_logprobs = 20
         self.requests, self.aborted, self.finished = [], [], []
         self.stats_ = Stats()
         self.block_after = None  # stop producing after this many tokens, until aborted
@@ -268,7 +300,8 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     def generate(self, prompt_token_ids, params, request_id, queue):
-        """Like AsyncEngine.generate: (request_id, output or exception) items into queue."""
+        """Like AsyncEngine.generate: (request_id, output or exception) items into queue;
+        the n samples one after another, each ending with a finished output."""
         stream = FakeStream(self, request_id)
         stream.task = asyncio.create_task(self._produce(prompt_token_ids, params, request_id,
                                                         queue, stream))
@@ -282,6 +315,15 @@ class FakeEngine:
         if self.hold is not None:
             self.hold[0].set()
             await self.hold[1].wait()
+        for index in range(params.n):
+            if not await self._sample(prompt_token_ids, params, request_id, queue, index):
+                stream.ended = True
+                return
+        stream.ended = True
+        self.finished.append(request_id)
+
+    async def _sample(self, prompt_token_ids, params, request_id, queue, index) -> bool:
+        """One sample's outputs; False if it ended in an error."""
         out_ids = list(self.script if self.script is not None
                        else reversed(prompt_token_ids))[:params.max_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -291,30 +333,32 @@ class FakeEngine:
                 await asyncio.Event().wait()
             await asyncio.sleep(0)
             if k == self.fail_after:
-                stream.ended = True
                 queue.put_nowait((request_id, RequestOutput(
                     request_id, prompt_token_ids, finished=True, finish_reason="error",
-                    error="device on fire")))
-                return
+                    error="device on fire", index=index)))
+                return False
             new_text, stop = detok.add([tid])
             last = stop is not None or k == len(out_ids) - 1
             if last and stop is None:
                 new_text += detok.flush()
+            prompt_lps = None
+            if params.prompt_logprobs is not None and k == 0:  # i-th token: -i / 10
+                prompt_lps = [None] + [
+                    TokenLogprob(t, -i / 10, [(t, -i / 10), (0, -5.0)][:params.prompt_logprobs],
+                                 rank=1) for i, t in enumerate(prompt_token_ids[1:], 1)]
             new_lp = None
             if params.logprobs is not None:
                 top = [(tid, -0.5), (0, -1.5), (1, -2.5)][:params.logprobs]
                 new_lp = [TokenLogprob(tid, -0.5, top)]
-            if last:
-                stream.ended = True
-                self.finished.append(request_id)
             queue.put_nowait((request_id, RequestOutput(
                 request_id, prompt_token_ids, [tid], new_text, new_lp, finished=last,
                 # A scripted output ends as if the model wrote EOS after it.
                 finish_reason=("stop" if stop or self.script is not None else "length")
                 if last else None,
-                stop_reason=stop)))
+                stop_reason=stop, prompt_logprobs=prompt_lps, index=index)))
             if last:
-                return
+                return True
+        return True
 
 
 class FakeStream:
@@ -387,9 +431,9 @@ def test_completions_non_stream(engine, tokenizer):
             assert all(c["finish_reason"] == "length" for c in body["choices"])
             n_prompt = [len(tokenizer.encode(t)) for t in ("hello world", "the fox")]
             assert body["usage"] == responses.usage(sum(n_prompt), sum(min(4, n) * 2 for n in n_prompt))
-            seeds = [params.seed for _, _, params in engine.requests]
-            assert seeds == [7, 8, 7, 8] and all(prm.n == 1 for _, _, prm in engine.requests)
-            assert len({rid for rid, _, _ in engine.requests}) == 4
+            # one engine request per prompt; the engine runs its n samples
+            assert [(prm.n, prm.seed) for _, _, prm in engine.requests] == [(2, 7), (2, 7)]
+            assert len({rid for rid, _, _ in engine.requests}) == 2
     run(go())
 
 
@@ -410,6 +454,106 @@ def test_completions_token_prompt_echo_and_stop(engine, tokenizer):
             assert choice["text"] == full[:full.index(stop)]
             assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     run(go())
+
+
+def test_completions_echo_with_logprobs_covers_prompt_then_completion(engine, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, token-id prompts in
+    one batch; then max_tokens 0 (the prompt alone) and the stream."""
+    texts = sse_texts(tokenizer)
+    prompts = [tokenizer.encode("the quick brown fox"), tokenizer.encode("hello world")]
+
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={
+                "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+                "temperature": 0})
+            body = await r.json()
+            assert [c["index"] for c in body["choices"]] == [0, 1]
+            for ids, choice in zip(prompts, body["choices"]):
+                lp = choice["logprobs"]
+                out = list(reversed(ids))[:1]
+                assert choice["text"] == tokenizer.decode(ids) + tokenizer.decode(out)
+                assert lp["tokens"] == [texts.get(t)[0] for t in ids + out]
+                # The fake's i-th prompt token has logprob -i/10; its completion token -0.5.
+                assert lp["token_logprobs"] == [None] + [-i / 10 for i in range(1, len(ids))] + [-0.5]
+                assert lp["top_logprobs"][0] is None
+                assert lp["top_logprobs"][1] == {texts.get(ids[1])[0]: -0.1}
+                lengths = [len(t) for t in lp["tokens"]]
+                want = [sum(lengths[:i]) for i in range(len(ids))]
+                want += [len(tokenizer.decode(ids))]
+                assert lp["text_offset"] == want
+                assert "prompt_logprobs" not in choice  # only when asked for by name
+            assert body["usage"]["completion_tokens"] == 2
+            # max_tokens 0: the prompt alone, its logprobs, nothing generated.
+            r = await client.post("/v1/completions", json={
+                "prompt": prompts[0], "echo": True, "logprobs": 0, "max_tokens": 0})
+            body = await r.json()
+            choice = body["choices"][0]
+            assert choice["text"] == tokenizer.decode(prompts[0])
+            assert len(choice["logprobs"]["tokens"]) == len(prompts[0])
+            assert choice["logprobs"]["top_logprobs"][1] == {}
+            assert body["usage"]["completion_tokens"] == 0
+            assert engine.requests[-1][2].max_tokens == 1  # one token sampled, then dropped
+            # Streaming: the echo arrives with the first update, which carries the prompt's.
+            r = await client.post("/v1/completions", json={
+                "prompt": prompts[1], "echo": True, "logprobs": 1, "max_tokens": 3,
+                "stream": True})
+            chunks = [e["choices"][0] for e in await sse_events(r)]
+            out = list(reversed(prompts[1]))[:3]
+            assert "".join(c["text"] for c in chunks) == tokenizer.decode(prompts[1]) + \
+                tokenizer.decode(out)
+            tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            assert tokens == [texts.get(t)[0] for t in prompts[1] + out]
+            first = chunks[0]["logprobs"]
+            assert first["token_logprobs"][0] is None and first["text_offset"][0] == 0
+    run(go())
+
+
+def test_prompt_logprobs_field_as_vllm_returns_it(engine, tokenizer):
+    texts = sse_texts(tokenizer)
+    ids = tokenizer.encode("the quick brown fox")
+
+    async def go():
+        async with serve(engine) as client:
+            r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2,
+                                                           "prompt_logprobs": 2})
+            choice = (await r.json())["choices"][0]
+            assert choice["logprobs"] is None  # no completion logprobs were asked
+            pl = choice["prompt_logprobs"]
+            assert len(pl) == len(ids) and pl[0] is None
+            assert pl[1] == {str(ids[1]): {"logprob": -0.1, "rank": 1,
+                                           "decoded_token": texts.get(ids[1])[0]},
+                             "0": {"logprob": -5.0, "rank": 2, "decoded_token": texts.get(0)[0]}}
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "prompt_logprobs": 0})
+            body = await r.json()
+            chat_ids = engine.requests[-1][1]
+            assert [None if e is None else list(e) for e in body["prompt_logprobs"]] == \
+                [None] + [[str(t)] for t in chat_ids[1:]]
+            assert body["choices"][0]["logprobs"] is None
+    run(go())
+
+
+def test_tokenizer_info_serves_lm_eval_remote_tokenizer(engine, tokenizer):
+    """lm-evaluation-harness uses a server's tokenizer when GET /tokenizer_info has
+    eos_token and POST /tokenize answers {"tokens": [...]}; it decodes with /detokenize."""
+    async def go():
+        async with serve(engine) as client:
+            info = await (await client.get("/tokenizer_info")).json()
+            assert info["eos_token"] == tokenizer.eos_token
+            assert info["bos_token"] == tokenizer.bos_token
+            r = await client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False})
+            tokens = (await r.json())["tokens"]
+            assert tokens == tokenizer.encode("test", add_special_tokens=False)
+            r = await client.post("/detokenize", json={"tokens": tokens})
+            assert (await r.json())["prompt"] == "test"
+    run(go())
+
+
+def sse_texts(tokenizer):
+    from serving.openai.sse import TokenTexts
+    return TokenTexts(tokenizer)
 
 
 def test_completions_stream_with_usage_and_logprobs(engine, tokenizer):
@@ -628,7 +772,7 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
             before = await (await client.get("/metrics")).text()
             assert 'xlaserve:generation_tokens_total{model_name="tiny-test"} 0.0' in before
             await client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
-            engine.stats_ = Stats(3, 1, 0.5, 4)
+            engine.stats_ = Stats(3, 1, 0.5, 4, prefix_cache_queries=120, prefix_cache_hits=96)
             r = await client.get("/metrics")
             assert r.headers["Content-Type"].startswith("text/plain")
             text = await r.text()
@@ -637,6 +781,8 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
                          'xlaserve:num_requests_waiting{model_name="tiny-test"} 1.0',
                          'xlaserve:kv_cache_usage_perc{model_name="tiny-test"} 0.5',
                          'xlaserve:num_preemptions_total{model_name="tiny-test"} 4.0',
+                         'xlaserve:prefix_cache_queries_total{model_name="tiny-test"} 120.0',
+                         'xlaserve:prefix_cache_hits_total{model_name="tiny-test"} 96.0',
                          'xlaserve:request_success_total{finished_reason="length",'
                          'model_name="tiny-test"} 1.0',
                          'xlaserve:time_to_first_token_seconds_count{model_name="tiny-test"} 1.0',
@@ -667,12 +813,12 @@ def test_non_stream_disconnect_aborts_all_choices(engine):
         engine.block_after = 1
         async with serve(engine) as client:
             task = asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": "hello world", "max_tokens": 5, "n": 3}))
-            while len(engine.requests) < 3:
+                "prompt": ["hello world", "the fox"], "max_tokens": 5, "n": 3}))
+            while len(engine.requests) < 2:  # one engine request (of 3 samples) per prompt
                 await asyncio.sleep(0.01)
             task.cancel()  # closes the connection
             for _ in range(500):
-                if len(engine.aborted) == 3:
+                if len(engine.aborted) == 2:
                     break
                 await asyncio.sleep(0.01)
             assert sorted(engine.aborted) == sorted(rid for rid, _, _ in engine.requests)

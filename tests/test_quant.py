@@ -1,5 +1,8 @@
 """quant/: round-trip error bounds, quantized matmul = matmul of dequantized weights, recipes,
 QuantArray as a Flax parameter, quantized KV cache, and the XLA fp8 GEMM pattern."""
+import re
+from pathlib import Path
+
 from flax import errors as flax_errors
 import jax
 import jax.numpy as jnp
@@ -287,26 +290,35 @@ def test_dummy_weights_quantize_for_benchmarks(tmp_path):
         assert describe(params).startswith(scheme + ", 7 of")
 
 
-GPU_HLO = """
-%triton_gemm_dot_computation (parameter_0: bf16[1,4096], parameter_1: s8[4096,14336]) -> f32[1,14336] {
-  %parameter_1 = s8[4096,14336]{1,0} parameter(1)
-  %convert.1 = bf16[4096,14336]{1,0} convert(%parameter_1)
-  %parameter_0 = bf16[1,4096]{1,0} parameter(0)
-  ROOT %dot.1 = f32[1,14336]{1,0} dot(%parameter_0, %convert.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-ENTRY %main.5 (x: bf16[1,4096], w: s8[4096,14336]) -> f32[1,14336] {
-  %x = bf16[1,4096]{1,0} parameter(0)
-  %w = s8[4096,14336]{1,0} parameter(1)
-  ROOT %triton_gemm_dot = f32[1,14336]{1,0} fusion(%x, %w), kind=kCustom, calls=%triton_gemm_dot_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
-}
-"""
+GPU_HLO = Path(__file__).parent / "data" / "gpu_hlo"
 
 
-def test_hlo_classification_of_gemm_choices():
+def captured(name: str) -> str:
+    """A module jaxlib 0.11.2 compiled for an H200 (scripts/capture_gpu_hlo.py)."""
+    return (GPU_HLO / f"{name}.hlo.txt").read_text()
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_hlo_classification_of_captured_gpu_modules(m):
+    """XLA's own output: int8 and fp8 per channel convert inside the Triton GEMM; fp8 per
+    tensor, when the cuBLASLt fp8 rewrite does not apply, widens the weights in a fusion of
+    its own first (and the activations' fp8 rounding is simplified away)."""
     from quant.hlo import classify
-    assert classify(GPU_HLO) == "triton, convert fused"
-    separate = GPU_HLO.replace("calls=%triton_gemm_dot_computation", "calls=%other").replace(
-        '"kind":"__triton_gemm"', '"kind":"__cublas$gemm"')
-    assert classify(separate) == "cublas + separate convert"
+    assert classify(captured(f"bf16_m{m}")) == "triton"
+    assert classify(captured(f"int8_channel_m{m}")) == "triton, convert fused"
+    assert classify(captured(f"fp8_channel_m{m}")) == "triton, convert fused"
+    assert classify(captured(f"fp8_tensor_m{m}")) == "triton + separate convert"
+    # The name the classifier once looked for is not what this XLA writes.
+    assert '"kind":"__triton_gemm"' not in captured(f"int8_channel_m{m}")
+
+
+def test_hlo_classification_of_cublas_choices():
+    """A GEMM autotuning sends to cuBLAS (only a GPU autotunes: built from the captured module
+    by replacing its Triton fusion with the custom call XLA writes)."""
+    from quant.hlo import classify
+    text = captured("fp8_tensor_m64")
+    cublas = re.sub(r"fusion\(([^)]*)\), kind=kCustom, calls=%gemm_fusion_dot_computation.*",
+                    r'custom-call(\1), custom_call_target="__cublas$gemm"', text)
+    assert "__triton" not in cublas
+    assert classify(cublas) == "cublas + separate convert"
     assert classify('custom_call_target="__cublas$lt$matmul$f8"') == "cublasLt fp8"

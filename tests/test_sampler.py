@@ -226,3 +226,36 @@ def test_bias_forces_a_token_for_greedy_and_sampled_rows():
                              seed=np.arange(R)))
     assert out.tokens[:2].tolist() == [17, 4]
     np.testing.assert_array_equal(out.tokens[2:], logits[2:].argmax(-1))
+
+
+def test_branch_mode_by_backend_and_both_modes_give_the_same_outputs():
+    """The GPU's selects and the CPU's conds are one function: same tokens, logprobs and top
+    logprobs for every combination of stages a step may need (and none)."""
+    from serving.engine.sampler import branch_mode
+    assert branch_mode() == ("cond" if jax.default_backend() == "cpu" else "select")
+    both = {mode: jax.jit(lambda l, s, mode=mode: sample(l, s, mode=mode)) for mode in ("cond", "select")}
+    logits = jnp.asarray(random_logits(R, seed=5))
+    history = np.tile(np.arange(4), (R, 1))
+    bias = (np.tile([[3, 7, -1]], (R, 1)), np.tile([[5.0, -5.0, 0.0]], (R, 1)))
+    cases = [inputs(R), inputs(R, logprobs=True), inputs(R, history=history, repetition_penalty=1.3,
+                                                       frequency_penalty=0.5),
+             inputs(R, bias=bias), inputs(R, temperature=0.8, seed=np.arange(R)),
+             inputs(R, temperature=np.linspace(0, 1.5, R), top_k=3, top_p=0.9, min_p=0.05,
+                    seed=np.arange(R), history=history, presence_penalty=0.4, bias=bias,
+                    logprobs=True)]
+    for i, s in enumerate(cases):
+        cond, select = (jax.tree.map(np.asarray, both[m](logits, s)) for m in ("cond", "select"))
+        np.testing.assert_array_equal(cond.tokens, select.tokens, err_msg=str(i))
+        np.testing.assert_array_equal(cond.top_ids, select.top_ids, err_msg=str(i))
+        np.testing.assert_allclose(cond.logprob, select.logprob, rtol=1e-6, err_msg=str(i))
+        np.testing.assert_allclose(cond.top_logprobs, select.top_logprobs, rtol=1e-6)
+    with pytest.raises(ValueError, match="branch mode"):
+        sample(logits, cases[0], mode="maybe")
+
+
+def test_select_mode_lowers_without_conditionals():
+    s = inputs(R, logprobs=True)
+    logits = jnp.asarray(random_logits(R))
+    assert "stablehlo.case" in jax.jit(lambda l, s: sample(l, s, mode="cond")).lower(logits, s).as_text()
+    text = jax.jit(lambda l, s: sample(l, s, mode="select")).lower(logits, s).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text

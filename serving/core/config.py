@@ -12,16 +12,25 @@ def default_cache_root() -> Path:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # checkpoint or HF folder; None: the demo model
-    dtype: str | None = None  # weights and activations; None: the checkpoint's
+    # checkpoint or HF folder, or an HF model id (org/name) in the local HF cache; None: the
+    # demo model
+    model: str | None = None
+    # weights and activations; "auto"/None: the config's, but bfloat16 for a float32 model on a
+    # GPU (vLLM's rule); off-GPU the checkpoint's
+    dtype: str | None = "auto"
     load_format: str = "auto"  # "dummy": random weights from config.json (for benchmarks)
     max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's, capped at 2048
+    # None: on a GPU the model's whole context if the KV cache holds one sequence of it (else
+    # as much as it holds); off-GPU the model's, capped at 2048
+    max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 512
     page_size: int = 16
-    # KV cache size: bytes (> 1) or a fraction of free device memory (<= 1); None: on GPU 0.9
-    # of what the weights leave, on CPU enough for max_num_seqs full sequences, at most 4 GiB.
-    kv_cache_memory: float | None = None
+    # GPU: the fraction of the device's total memory for weights + the largest step's
+    # activations + the KV cache (vLLM's meaning); the KV cache gets the rest
+    gpu_memory_utilization: float = 0.9
+    # KV cache size in bytes (an int, or "20GiB"), instead of what gpu_memory_utilization
+    # leaves; None: on GPU that, off-GPU enough for max_num_seqs full sequences, at most 4 GiB
+    kv_cache_memory: int | str | None = None
     attention_backend: str = "auto"
     # Weights: None keeps the checkpoint's (a quantized checkpoint loads quantized); "int8",
     # "fp8" or a recipe spec (quant/recipe.py) quantizes an unquantized model as it loads.
@@ -30,10 +39,13 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
-    # compiled step programs are saved under <this>/executables (engine/executable_cache.py)
+    # None or "": no persistent cache; else compiled step programs are saved under
+    # <this>/executables (serving/engine/executable_cache.py)
     compilation_cache_dir: str | None = field(
         default_factory=lambda: str(default_cache_root() / "jax-cache"))
     seed: int = 0  # draws the seeds of requests that bring none
+    max_logprobs: int = 20  # cap on logprobs and prompt_logprobs per token (vLLM's name)
+    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
     progress: bool = True
 
     @classmethod

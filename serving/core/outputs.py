@@ -14,6 +14,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs only)
 
 
 @dataclass
@@ -30,6 +31,10 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduled, on the first update
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None; on the first
+    # update only (the prefill computed them all by then).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n samples this update belongs to
 
 
 @dataclass
@@ -42,9 +47,12 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.new_text
         if out.new_logprobs is not None:
             if self.logprobs is None:

@@ -30,6 +30,16 @@ def check_request_token_ids(prompt_token_ids: list[int], params: SamplingParams,
     check_token_ids(params.logit_bias, vocab_size, "logit_bias")
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """Top logprobs per token (output and prompt) stay within the engine's --max-logprobs:
+    every compiled step computes that many."""
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > max_logprobs:
+            raise RequestRefused(f"{name} must be at most {max_logprobs} (--max-logprobs), "
+                                 f"got {k}", param=name)
+
+
 def fit_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
                    prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
     """The context length rule: the prompt leaves room for at least one output token, and

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from serving.core.structured_outputs import StructuredOutputsParams
 
-# OpenAI allows at most this many logit_bias entries and at most 20 top logprobs.
+# OpenAI allows at most this many logit_bias entries and at most 20 top logprobs; the
+# engine's max_logprobs (--max-logprobs) moves the cap on top logprobs, 20 by default.
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
 
@@ -28,7 +29,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # Keeps this request's prefix-cache entries apart from requests with another salt.
+    cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
 
     def __post_init__(self):
@@ -84,6 +88,10 @@ class SamplingParams:
             k >= 0 and math.isfinite(v) and -100.0 <= v <= 100.0
             for k, v in self.logit_bias.items()),
             "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids mapped to values in [-100, 100]")
-        check(self.logprobs is None or (isinstance(self.logprobs, int)
-                                        and 0 <= self.logprobs <= MAX_LOGPROBS),
-              "logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        # The upper bound is the engine's max_logprobs, checked when the request is added.
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                    and value >= 0), name, "None or a non-negative integer")
+        check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+              "cache_salt", "a non-empty string")

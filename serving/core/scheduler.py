@@ -6,13 +6,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from serving.core.page_allocator import PageAllocator
+from serving.core.kv_cache_manager import KVCacheManager, cdiv
 from serving.core.request import Request, RequestStatus
 from serving.core.request_checks import RequestRefused, fit_max_tokens
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -23,6 +19,8 @@ class SchedulerConfig:
     page_size: int
     num_pages: int  # including the sink page 0
     long_prefill_token_threshold: int = 0  # cap on one prefill chunk; 0: only the budget caps it
+    enable_prefix_caching: bool = True
+    model_key: str = ""  # names the weights in page hashes
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -41,7 +39,7 @@ class ScheduledRequest:
     start: int  # position of the first new token (= num_computed_tokens when scheduled)
     token_ids: list[int]  # all_token_ids[start:start + num_new_tokens]
     samples: bool  # the chunk ends at the last known token: its sampled token is a real output
-    page_ids: list[int] = field(default_factory=list)  # snapshot of request.page_ids, whole table
+    page_ids: list[int] = field(default_factory=list)  # snapshot of the request's page table
 
 
 @dataclass
@@ -60,13 +58,17 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.allocator = PageAllocator(config.num_pages)
+        self.kv_cache_manager = KVCacheManager(config.num_pages, config.page_size,
+                                               config.enable_prefix_caching, config.model_key)
+        self.allocator = self.kv_cache_manager.allocator
         self.waiting: deque[Request] = deque()
         # Admission is FCFS and preemption takes the newest, so every running request arrived
         # before every waiting one and appending on admission keeps `running` in arrival order.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_total = 0  # prompt tokens computed (not those found cached)
+        self.num_generation_tokens_total = 0
         # A request longer than the whole cache could never be scheduled again; stop it there.
         capacity = self.allocator.num_usable_pages * config.page_size
         self._max_len = min(config.max_model_len, capacity + 1)
@@ -77,7 +79,8 @@ class Scheduler:
         self._check_fits(req)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.page_ids:
+        if (req.status is not RequestStatus.WAITING or req.num_computed_tokens
+                or self.kv_cache_manager.page_ids(req.request_id)):
             raise ValueError(f"request {req.request_id!r} is not a fresh request")
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -121,12 +124,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, reason: int | str | None) -> None:
         req.status, req.finish_reason, req.stop_reason = status, status.finish_reason, reason
-        self._release_pages(req)
+        self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
-
-    def _release_pages(self, req: Request) -> None:
-        self.allocator.free(req.page_ids)
-        req.page_ids = []
 
     # -- schedule ---------------------------------------------------------------------------
 
@@ -144,7 +143,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
-            while not self._allocate(req, n):
+            while not self.kv_cache_manager.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -157,8 +156,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            hit = self.kv_cache_manager.get_computed_pages(req)
+            req.num_computed_tokens = len(hit) * self.config.page_size
             n = self._num_new_tokens(req, budget)
-            if not self._allocate(req, n):
+            if not self.kv_cache_manager.allocate_slots(req, n, hit):
+                req.num_computed_tokens = 0
                 break  # strict FCFS: later requests do not overtake the head of the queue
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -174,18 +176,9 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Grows req.page_ids to hold num_computed_tokens + num_new_tokens; False if short."""
-        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.config.page_size)
-        missing = needed - len(req.page_ids)
-        if missing > self.allocator.num_free_pages:
-            return False
-        req.page_ids.extend(self.allocator.allocate(max(missing, 0)))
-        return True
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self._release_pages(req)
+        self.kv_cache_manager.free(req)  # its cached pages stay findable: recompute may hit
         req.num_computed_tokens = 0  # its output tokens stay; prefill recomputes them
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -193,13 +186,12 @@ class Scheduler:
         self.waiting.appendleft(req)  # it arrived before everything still waiting
         out.preempted.append(req)
 
-    @staticmethod
-    def _scheduled(req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(request=req, num_new_tokens=n, start=start,
                                 token_ids=req.slice_token_ids(start, start + n),
                                 samples=start + n == req.num_tokens,
-                                page_ids=list(req.page_ids))
+                                page_ids=list(self.kv_cache_manager.page_ids(req.request_id)))
 
     # -- update -----------------------------------------------------------------------------
 
@@ -215,7 +207,10 @@ class Scheduler:
             # Aborted (or preempted by a later schedule()) since this output was made.
             if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
                 continue
+            self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
+                                                    sr.num_new_tokens), 0)
             req.num_computed_tokens += sr.num_new_tokens
+            self.kv_cache_manager.cache_computed(req)
             if not sr.samples:
                 continue
             if token is None:
@@ -226,6 +221,7 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)
+        self.num_generation_tokens_total += 1
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         stop = self._check_stop(req, token)
@@ -259,7 +255,10 @@ class Scheduler:
 
     @property
     def kv_cache_usage(self) -> float:
-        return self.allocator.usage
+        return self.kv_cache_manager.usage
+
+    def page_ids(self, request_id: str) -> list[int]:
+        return self.kv_cache_manager.page_ids(request_id)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import SamplingParams
+from serving.engine.stats_log import StatsLogger
 
 if TYPE_CHECKING:  # the server's modules stay free of JAX
     from serving.engine.llm_engine import LLMEngine
@@ -36,20 +37,25 @@ class EngineStats:
     num_waiting: int  # waiting in the scheduler, or submitted and not yet added to it
     kv_cache_usage: float
     num_preemptions_total: int
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, running total
+    prefix_cache_hits: int = 0  # tokens found there
+    num_prompt_tokens_total: int = 0  # prompt tokens computed
+    num_generation_tokens_total: int = 0
 
 
 class RequestStream:
-    """One request's outputs, as an async iterator; the last has finished=True. Closing it
-    early (`close()`/`aclose()`) aborts the request and frees its pages; closing twice is
-    harmless.
+    """One request's outputs (all n samples', told apart by `index`), as an async iterator;
+    it ends after each sample's finished output. Closing it early (`close()`/`aclose()`)
+    aborts the request and frees its pages; closing twice is harmless.
 
     The engine thread puts (request_id, output or exception) items on `queue`. Several
     streams may share one queue (one HTTP response's choices): their reader then reads the
     queue itself and hands each item to its stream's `take()` instead of iterating."""
 
     def __init__(self, engine: "AsyncEngine", request_id: str,
-                 queue: asyncio.Queue | None = None):
+                 queue: asyncio.Queue | None = None, n: int = 1):
         self._engine, self.request_id = engine, request_id
+        self._unfinished = n
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
         self._done = False
@@ -67,10 +73,18 @@ class RequestStream:
         return item
 
     def take(self, item) -> None:
-        """Notes one item read from the queue: the stream ends with a final output or an
-        exception."""
-        if isinstance(item, Exception) or item.finished:
+        """Notes one item read from the queue: the stream ends with an exception or once
+        every sample has had its final output."""
+        if isinstance(item, Exception):
             self._close(finished=True)
+        elif item.finished:
+            self._unfinished -= 1
+            if self._unfinished == 0:
+                self._close(finished=True)
+
+    @property
+    def done(self) -> bool:
+        return self._done
 
     def close(self) -> None:
         self._close(finished=False)
@@ -86,11 +100,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: "LLMEngine"):
+    def __init__(self, engine: "LLMEngine", log_stats_interval_s: float | None = 10.0):
         self.engine = engine
+        self._stats_log = StatsLogger(log_stats_interval_s) if log_stats_interval_s else None
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.max_logprobs = engine.config.max_logprobs
         self.ready = False
         self.dead: str | None = None  # why the engine died, once it has
         self.on_dead: list = []  # callables, run on the engine thread when it dies
@@ -120,7 +136,7 @@ class AsyncEngine:
         """Submits the request now (so admission control sees it at once) and returns its
         output stream, delivering into `queue` if given. Raises EngineDeadError if the
         engine has died."""
-        stream = RequestStream(self, request_id, queue)
+        stream = RequestStream(self, request_id, queue, params.n)
         with self._wake:
             if self.dead is not None:
                 raise EngineDeadError(f"the engine is dead: {self.dead}")
@@ -135,8 +151,11 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
+        kvm = s.kv_cache_manager
         return EngineStats(s.num_running, s.num_waiting + self._num_unadded, s.kv_cache_usage,
-                           s.num_preemptions_total)
+                           s.num_preemptions_total, kvm.prefix_cache_queries,
+                           kvm.prefix_cache_hits, s.num_prompt_tokens_total,
+                           s.num_generation_tokens_total)
 
     def _forget(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
@@ -207,3 +226,5 @@ class AsyncEngine:
             if self.engine.has_unfinished:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                if self._stats_log:
+                    self._stats_log.maybe_log(self.stats())

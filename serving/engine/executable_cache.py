@@ -133,7 +133,7 @@ class ExecutableCache:
     def save(self, shape, layout, program) -> None:
         """Writes the program (atomically), then prunes the folder. Never raises: a program
         that cannot be saved is compiled again next time."""
-        if jax.config.jax_compilation_cache_dir:
+        if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
             # A program JAX's own persistent cache handed back does not survive a second
             # round trip through serialization on XLA:CPU (it fails when run: "Function ...
             # not found"), and there is no telling which ones it handed back.

@@ -11,7 +11,8 @@ import numpy as np
 
 from serving.core.buckets import Buckets
 from serving.core.sampling_params import MAX_LOGIT_BIAS
-from serving.core.scheduler import SchedulerOutput
+from serving.core.scheduler import ScheduledRequest, SchedulerOutput
+from serving.core.prompt_logprobs import wants_prompt_logprobs
 
 SINK_SLOT = 0  # padding tokens write to slot 0 of the reserved sink page 0
 
@@ -22,6 +23,9 @@ class StepArrays:
     batch: dict[str, np.ndarray]
     sampling: dict[str, np.ndarray]
     wants_logprobs: bool
+    # i32[T]: the prompt token each position scores (-1: none), when some row asks for
+    # prompt logprobs (serving.engine.prompt_logprobs); else None
+    prompt_targets: np.ndarray | None = None
     # i32[R, P * page_size] prompt + output tokens of penalised rows, -1 padded; None when no
     # row is penalised: the runner then passes a -1 array it keeps on the device, so an
     # unpenalised step never sends R x max_model_len entries.
@@ -71,7 +75,9 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
     history = (_history(sched, *history_shape((T, R, P), page_size))
                if sampling["any_penalty"] else None)
-    return StepArrays((T, R, P), batch, sampling, wants, history)
+    targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
+    return StepArrays((T, R, P), batch, sampling, wants, prompt_targets=targets,
+                      history=history)
 
 
 def padding_step(shape: tuple[int, int, int]) -> StepArrays:
@@ -151,3 +157,17 @@ def _bias(params, R: int) -> tuple[np.ndarray, np.ndarray]:
         for j, (token, value) in enumerate(p.logit_bias.items()):
             ids[i, j], values[i, j] = token, value
     return ids, values
+
+
+def prompt_targets(sched: list[ScheduledRequest], T: int) -> np.ndarray:
+    """-> i32[T]: for each token of the step, the prompt token after it when its request
+    asks for prompt logprobs, else -1."""
+    targets = np.full(T, -1, np.int32)
+    t = 0
+    for s in sched:
+        if wants_prompt_logprobs(s):
+            prompt = s.request.prompt_token_ids
+            m = min(s.num_new_tokens, len(prompt) - 1 - s.start)
+            targets[t:t + m] = prompt[s.start + 1:s.start + 1 + m]
+        t += s.num_new_tokens
+    return targets

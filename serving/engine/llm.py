@@ -31,6 +31,10 @@ class CompletionResult:
     def logprobs(self):
         return self.outputs[0].logprobs
 
+    @property
+    def prompt_logprobs(self):
+        return self.outputs[0].prompt_logprobs
+
 
 class LLM:
     def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_options):
@@ -57,11 +61,10 @@ class LLM:
                 logprobs = [] if p.logprobs is not None else None
                 result = CompletionResult(tokens, [CompletionOutput(logprobs=logprobs)
                                                    for _ in range(p.n)])
-                for i, sample_params in enumerate(_per_sample(p)):
-                    self._counter += 1
-                    request_id = f"offline-{self._counter}"
-                    self.engine.add_request(request_id, tokens, sample_params)
-                    ids[request_id] = (result, i)
+                self._counter += 1
+                request_id = f"offline-{self._counter}"
+                self.engine.add_request(request_id, tokens, p)  # the engine runs the n samples
+                ids[request_id] = result
                 results.append(result)
         except BaseException:
             # A refused prompt refuses the whole call: withdraw the ones already queued, or
@@ -71,14 +74,5 @@ class LLM:
             raise
         while self.engine.has_unfinished:
             for out in self.engine.step():
-                result, i = ids[out.request_id]
-                result.outputs[i].add(out)
+                ids[out.request_id].outputs[out.index].add(out)
         return results
-
-
-def _per_sample(p: SamplingParams) -> list[SamplingParams]:
-    """n samples become n requests; seeded ones get seed, seed + 1, ... so they differ."""
-    from dataclasses import replace
-    if p.n == 1:
-        return [p]
-    return [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]

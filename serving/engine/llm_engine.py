@@ -22,15 +22,18 @@ from model.config import KV_CACHE_DTYPES, ModelConfig
 from model.transformer import init_params
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization, quantize_params
-from serving.engine import sizing
+from serving.engine import memory_plan, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
+from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
+from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
-from serving.core.request_checks import check_request_token_ids
-from serving.engine.runner import ModelRunner, StepResult, WarmupReport, device_memory_bytes
+from serving.core.request_checks import check_logprobs, check_request_token_ids
+from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
+                                   disable_jax_compilation_cache, gpu_memory_limit)
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -42,6 +45,9 @@ class _State:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     num_emitted: int = 0  # output tokens already sent
+    prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
+    parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
+    index: int = 0  # which of the parent's n samples
 
 
 @dataclass
@@ -55,51 +61,77 @@ class _Pending:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
+        memory_plan.configure_xla_allocator_if_unstarted(ec.gpu_memory_utilization)
+        disable_jax_compilation_cache()
         self.attention_backend = resolve_backend(ec.attention_backend)
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
                              + ", ".join(KV_CACHE_DTYPES))
         if ec.quantize:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
+        if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
+        on_gpu = jax.default_backend() == "gpu"
+        dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
-        self.cfg, params = _load_weights(self.model_dir, ec)
+        self.cfg, params = _load_weights(self.model_dir, ec, dtype)
         self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
         self.vocab_size = min(self.cfg.vocab_size, len(self.tokenizer)) if self.tokenizer \
             else self.cfg.vocab_size
-        self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
-        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
-                                      self.attention_backend)
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
-        on_gpu = jax.default_backend() == "gpu"
         page_bytes = bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
-        self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, self.weight_bytes,
-                                          device_memory_bytes(), on_gpu)
-        self.kv_cache_bytes = self.num_pages * page_bytes
+        # The stored tree is consumed here: the device holds the weights once before the
+        # KV cache is sized and allocated.
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
                                if ec.compilation_cache_dir else None)
+        self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
+                                  attention_backend=self.attention_backend,
+                                  kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
+                                  max_logprobs=ec.max_logprobs,
+                                  executable_dir=self.executable_dir)
+        del params
+        self.memory_plan = None
+        limit = gpu_memory_limit()
+        if limit:
+            self.memory_plan = sizing.gpu_plan(ec, self.cfg, page_bytes, self.weight_bytes,
+                                               limit, self._activation_peak)
+            log.info("%s", self.memory_plan.describe())
+            self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
+                                                  self.memory_plan.num_pages)
+        else:
+            self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
+            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len)
+        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
+                                      self.attention_backend)
+        self.kv_cache_bytes = self.num_pages * page_bytes
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
-            self.num_pages))
-        self.runner = ModelRunner(self.cfg, params, num_pages=self.num_pages,
-                                  page_size=ec.page_size,
-                                  attention_backend=self.attention_backend,
-                                  kv_cache_dtype=ec.kv_cache_dtype,
-                                  executable_dir=self.executable_dir)
+            self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
+            model_key=_model_key(self.model_dir, ec)))
+        self.runner.allocate_kv_cache(self.num_pages)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, _State] = {}  # by the sample's own request id
+        self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
         self.warmup_report: WarmupReport | None = None
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
 
+    def _activation_peak(self, max_len: int) -> int:
+        """Temporaries of the largest step program at this context length."""
+        b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens,
+                           self.attention_backend)
+        largest = max(all_step_shapes(b, self.config.max_num_seqs))
+        return self.runner.activation_peak_bytes(padding_step(largest))
+
     def warmup(self) -> WarmupReport:
-        """Loads or compiles every step shape, then runs one step (its first run allocates
+        """Loads or compiles every program, then runs one step (its first run allocates
         what later steps reuse, and a program that cannot run fails here, before /health
         says 200). Records the phases in `timings`."""
         report = self.runner.warmup([padding_step(s) for s in self.step_shapes],
@@ -121,32 +153,73 @@ class LLMEngine:
                 f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
                 f"{self.config.page_size} tokens; attention {self.attention_backend}; max_model_len {self.max_model_len}; buckets: "
                 f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
-                f"-> {len(self.step_shapes)} programs")
+                f"-> {len(self.step_shapes)} programs; prefix caching "
+                f"{'on' if self.config.enable_prefix_caching else 'off'}"
+                + (f"; {self.memory_plan.describe()}" if self.memory_plan else ""))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queues a request; raises ValueError if it can never run."""
         check_request_token_ids(prompt_token_ids, params, self.vocab_size)
+        check_logprobs(params, self.config.max_logprobs)
+        parent = ParentRequest.expand(request_id, prompt_token_ids, params, self._make_request)
+        first, *rest = parent.children
+        if any(c.request_id in self._states for c in rest):  # held ones: not in the scheduler
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add_request(first)  # the rest cannot fail after this
+        if self.scheduler.config.enable_prefix_caching:
+            parent.held = rest  # they join once the first has computed the shared prompt
+        else:
+            for child in rest:
+                self.scheduler.add_request(child)
+        for i, child in enumerate(parent.children):
+            p = child.sampling_params
+            detok = self.tokenizer and IncrementalDetokenizer(
+                self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output)
+            prompt_lps = (None if p.prompt_logprobs is None else
+                          PromptLogprobsCollector(child.prompt_token_ids, p.prompt_logprobs))
+            self._states[child.request_id] = _State(child, detok, prompt_logprobs=prompt_lps,
+                                                    parent_id=request_id, index=i)
+        if rest:
+            self._parents[request_id] = parent
+
+    def _make_request(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed=seed % 2**32)
-        detok = self.tokenizer and IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output)
-        self.scheduler.add_request(req)  # last: nothing can fail after the scheduler has it
-        self._states[request_id] = _State(req, detok)
+        return Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                       seed=seed % 2**32)
 
     def abort(self, request_id: str) -> None:
+        """Aborts a request, all n samples of it."""
+        parent = self._parents.pop(request_id, None)
+        for child in parent.children if parent else []:
+            self.scheduler.abort(child.request_id)
+            self._states.pop(child.request_id, None)
         self.scheduler.abort(request_id)
         self._states.pop(request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pending.requests)
+        return (self.scheduler.has_unfinished or bool(self._pending.requests)
+                or any(p.held for p in self._parents.values()))
+
+    def _release_held(self) -> None:
+        """Gives the scheduler the samples whose first sibling has computed the prompt."""
+        for request_id, parent in list(self._parents.items()):
+            if parent.held and parent.ready_to_release():
+                for child in parent.held:
+                    if child.request_id in self._states:
+                        self.scheduler.add_request(child)
+                parent.held = []
+            if all(c.request_id not in self._states for c in parent.children):
+                del self._parents[request_id]
 
     def step(self) -> list[RequestOutput]:
         """One step. An exception from here means the engine's state is lost (the device
         failed, or the scheduler broke): the caller fails every request. A failure that
         belongs to one request (its sampling inputs, its detokenization) ends that request
         with finish_reason "error" and the step goes on."""
+        self._release_held()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._emit_pending()
@@ -158,23 +231,34 @@ class LLMEngine:
         handle = self.runner.dispatch(arrays)
         outputs = failed + self._emit_pending()
         result = self.runner.fetch(handle)
+        if result.prompt is not None:
+            self._collect_prompt_logprobs(out, result)
         sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
         changed = self.scheduler.update(out, sampled)
         row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
 
+    def _collect_prompt_logprobs(self, out: SchedulerOutput, result: StepResult) -> None:
+        row_start = 0
+        for s in out.scheduled:
+            st = self._states.get(s.request.request_id)
+            if st is not None and st.prompt_logprobs is not None and wants_prompt_logprobs(s):
+                st.prompt_logprobs.add(s, row_start, result.prompt)
+            row_start += s.num_new_tokens
+
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
         self._pending = _Pending()
+        self._parents.clear()
         return [self._fail(request_id, error) for request_id in list(self._states)]
 
     def _fail(self, request_id: str, error: str) -> RequestOutput:
         """Ends one request with an error and frees its pages."""
         st = self._states.pop(request_id)
         self.scheduler.abort(request_id)
-        return RequestOutput(request_id, st.request.prompt_token_ids, finished=True,
-                             finish_reason="error", error=error)
+        return RequestOutput(st.parent_id, st.request.prompt_token_ids, finished=True,
+                             finish_reason="error", error=error, index=st.index)
 
     def _build(self, out: SchedulerOutput):
         if self.faults:
@@ -190,13 +274,13 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - one request's inputs must not fail a batch
             log.error("building a step failed (%s); retrying its requests one by one",
                       type(e).__name__)
-        failed = []
+        failed, gone = [], set()  # outputs carry the caller's id; gone holds the samples'
         for s in out.scheduled:
             try:
                 self._build(SchedulerOutput([s]))
             except Exception as e:  # noqa: BLE001 - this request is at fault
                 failed.append(self._fail_alone(s.request.request_id, "sampling inputs", e))
-        gone = {f.request_id for f in failed}
+                gone.add(s.request.request_id)
         kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
                                out.preempted)
         return kept, (self._build(kept) if kept.scheduled else None), failed
@@ -240,21 +324,33 @@ class LLMEngine:
                 top = list(zip(result.top_ids[row, :k].tolist(),
                                result.top_logprobs[row, :k].tolist()))
                 new_logprobs.append(TokenLogprob(new_ids[-1], float(result.logprob[row]), top))
+        prompt_logprobs = None
+        if st.prompt_logprobs is not None:  # the first token: the prefill is done
+            prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
         if req.is_finished:
             del self._states[req.request_id]
-        return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, new_text,
+        return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
                              new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
-                             queue_time=queue_time)
+                             queue_time=queue_time, prompt_logprobs=prompt_logprobs,
+                             index=st.index)
 
 
-def _load_weights(model_dir: Path, ec: EngineConfig):
+def _model_key(model_dir: Path, ec: EngineConfig) -> str:
+    """Names the weights in prefix-cache page hashes: K/V of the same tokens differ under
+    other weights, another dtype or another cache format."""
+    seed = ec.seed if ec.load_format == "dummy" else None
+    return (f"{Path(model_dir).resolve()}|{ec.load_format}|{seed}|{ec.dtype}|{ec.quantize}|"
+            f"{ec.kv_cache_dtype}")
+
+
+def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None = None):
     if ec.load_format == "dummy":
-        cfg = ModelConfig.from_dir(model_dir, ec.dtype)
+        cfg = ModelConfig.from_dir(model_dir, dtype)
         params = init_params(cfg, ec.seed)
         return cfg, quantize_params(params, ec.quantize) if ec.quantize else params
     if ec.load_format != "auto":
         raise ValueError(f"unknown load_format {ec.load_format!r}; choose auto or dummy")
-    return load_model(model_dir, ec.dtype, progress=ec.progress, quantize=ec.quantize)
+    return load_model(model_dir, dtype, progress=ec.progress, quantize=ec.quantize)
 
 
 def load_tokenizer(model_dir: Path):

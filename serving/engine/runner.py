@@ -17,19 +17,25 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
-from model.transformer import forward
+from model.transformer import compute_logits, forward_hidden
 from serving.engine.executable_cache import ExecutableCache, avals_signature
 from serving.engine.input_prep import StepArrays, history_shape
-from serving.engine.sampler import SampleOutput, SamplingInputs, sample
+from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
+                                            prompt_logprobs)
+from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample
 
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, history, *, layout, cfg: ModelConfig, backend: str):
+def _step(params, cache, buffers, history, *, layout, cfg: ModelConfig, backend: str,
+          num_top: int):
+    """-> (sampled tokens, the tokens' hidden states in blocks for prompt logprobs, cache)."""
     batch, sampling = _unpack(buffers, layout)
     sampling["history"] = history
-    logits, cache = forward(params, cache, Batch(**batch), cfg, backend)
-    return sample(logits, SamplingInputs(**sampling)), cache
+    batch = Batch(**batch)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
+    logits = compute_logits(params, hidden[batch.logits_indices], cfg)
+    return sample(logits, SamplingInputs(**sampling), num_top), hidden_blocks(hidden), cache
 
 
 # A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
@@ -81,31 +87,82 @@ class WarmupReport:
 class StepResult:
     tokens: np.ndarray  # i32[R]
     logprob: np.ndarray | None = None  # f32[R]
-    top_ids: np.ndarray | None = None  # i32[R, NUM_TOP_LOGPROBS]
+    top_ids: np.ndarray | None = None  # i32[R, K]
     top_logprobs: np.ndarray | None = None
+    prompt: PromptOutput | None = None  # numpy arrays over the step's T tokens, when asked
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
+    """num_pages None: the KV cache is allocated later (`allocate_kv_cache`), once the memory
+    plan knows what the prepared weights and the largest step leave for it.
+    free_stacked: the stored weight tree is consumed (model/runtime_params.py).
+    max_logprobs: the top logprobs each step computes (the most a request may ask)."""
+
+    def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
+                 free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS,
                  executable_dir: str | None = None):
         self.cfg = cfg
-        self.params = prepare_params(params)
-        self.cache = KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype)
-        self.backend = attention_backend
         self.page_size = page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.params = prepare_params(params, free_stacked=free_stacked)
+        self.cache = None
+        if num_pages is not None:
+            self.allocate_kv_cache(num_pages)
+        self.backend = attention_backend
         self._no_history: dict[tuple[int, int], jax.Array] = {}  # (R, S) -> all -1, on device
-        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
+        self._executable_dir = executable_dir
+        self._executables: ExecutableCache | None = None
+        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
+                                       num_top=max_logprobs),
                                donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
-        self.executables = executable_dir and ExecutableCache(executable_dir, dict(
-            model=repr(cfg), params=avals_signature(self.params),
-            cache=avals_signature(self.cache), backend=attention_backend,
-            page_size=page_size))
+        # One program for every bucket: scores BLOCK_ROWS hidden states (prompt logprobs).
+        self._prompt_jitted = jax.jit(partial(prompt_logprobs, cfg=cfg, num_top=max_logprobs))
+        self._prompt_program = None
+
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        self.cache = KVCache.zeros(self.cfg, num_pages, self.page_size, self.kv_cache_dtype)
+
+    def activation_peak_bytes(self, example: StepArrays) -> int:
+        """Temporary bytes the step program of `example`'s shape needs (XLA's buffer
+        assignment of the compiled program, read before any cache exists: the cache is an
+        abstract two-page stand-in, donated and aliased, so its size does not count)."""
+        buffers, layout = _pack(example)
+        cache = jax.eval_shape(lambda: KVCache.zeros(self.cfg, 2, self.page_size,
+                                                     self.kv_cache_dtype))
+        compiled = self._jitted.lower(self.params, cache, buffers, self._history(example),
+                                      layout=layout).compile()
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError("this backend reports no memory analysis for a compiled step")
+        # Temporaries, plus outputs that are not the aliased cache (the sampled tokens).
+        return int(stats.temp_size_in_bytes + stats.output_size_in_bytes
+                   - stats.alias_size_in_bytes)
 
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
+
+    @property
+    def executables(self) -> ExecutableCache | None:
+        """The executable cache, keyed on the KV cache too, so made once that exists."""
+        if self._executables is None and self._executable_dir and self.cache is not None:
+            self._executables = ExecutableCache(self._executable_dir, dict(
+                model=repr(self.cfg), params=avals_signature(self.params),
+                cache=avals_signature(self.cache), backend=self.backend,
+                page_size=self.page_size))
+        return self._executables
+
+    def _load_or_compile(self, lower, args, shape, layout) -> tuple[object, bool]:
+        """lower: () -> the program lowered for `args`, called on a cache miss only."""
+        program = self.executables and self.executables.load(shape, layout, args)
+        if program is not None:
+            return program, True
+        program = lower().compile()
+        if self.executables:
+            self.executables.save(shape, layout, program)
+        return program, False
 
     def compile(self, shape: tuple[int, int, int], example: StepArrays) -> tuple[float, bool]:
         """Loads the program of one bucket shape from the executable cache, or traces,
@@ -113,19 +170,26 @@ class ModelRunner:
         started = time.perf_counter()
         buffers, layout = _pack(example)
         args = (self.params, self.cache, buffers, self._history(example))
-        program = self.executables and self.executables.load(shape, layout, args)
-        loaded = program is not None
-        if not loaded:
-            program = self._jitted.lower(*args, layout=layout).compile()
-            if self.executables:
-                self.executables.save(shape, layout, program)
+        program, loaded = self._load_or_compile(
+            lambda: self._jitted.lower(*args, layout=layout), args, shape, layout)
         self._compiled[shape] = (program, layout)
+        return time.perf_counter() - started, loaded
+
+    def compile_prompt_logprobs(self) -> tuple[float, bool]:
+        started = time.perf_counter()
+        hidden = jax.ShapeDtypeStruct((BLOCK_ROWS, self.cfg.hidden_size), self.cfg.dtype)
+        targets = jax.ShapeDtypeStruct((BLOCK_ROWS,), np.int32)
+        args = (self.params, hidden, targets)
+        self._prompt_program, loaded = self._load_or_compile(
+            lambda: self._prompt_jitted.lower(*args), args, ("prompt_logprobs", BLOCK_ROWS),
+            "prompt")
         return time.perf_counter() - started, loaded
 
     def warmup(self, examples: list[StepArrays], progress: bool = True,
                workers: int | None = None) -> WarmupReport:
-        """Loads or compiles every shape before serving, `workers` at a time (default: one
-        per CPU core; XLA compiles a program on one thread)."""
+        """Loads or compiles every step shape before serving, `workers` at a time (default:
+        one per CPU core; XLA compiles a program on one thread), then the prompt-logprobs
+        program (counted with the others)."""
         workers = workers or os.cpu_count() or 1
         started = time.perf_counter()
         report = WarmupReport(seconds=[0.0] * len(examples))
@@ -140,11 +204,14 @@ class ModelRunner:
                 bar.set_postfix_str(f"T={shape[0]} R={shape[1]} P={shape[2]} "
                                     f"{report.seconds[i]:.1f}s")
         bar.close()
+        prompt_s, loaded = self.compile_prompt_logprobs()
+        report.seconds.append(prompt_s)
+        report.loaded += loaded
         report.wall = time.perf_counter() - started
-        log.info("warm-up: %d step programs, %d loaded, %d compiled, in %.1f s (%d at a "
-                 "time); compiled programs in %s", report.programs, report.loaded,
-                 report.compiled, report.wall, workers,
-                 self.executables.root if self.executables else "no cache")
+        log.info("warm-up: %d programs (%d step shapes and the prompt-logprobs one), %d "
+                 "loaded, %d compiled, in %.1f s (%d at a time); compiled programs in %s",
+                 report.programs, len(examples), report.loaded, report.compiled, report.wall,
+                 workers, self.executables.root if self.executables else "no folder")
         return report
 
     def dispatch(self, arrays: StepArrays):
@@ -156,13 +223,16 @@ class ModelRunner:
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
-        out, self.cache = program(self.params, self.cache, jax.device_put(buffers),
-                                  self._history(arrays))
+        out, blocks, self.cache = program(self.params, self.cache, jax.device_put(buffers),
+                                          self._history(arrays))
         out.tokens.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
                 a.copy_to_host_async()
-        return out, arrays.wants_logprobs
+        prompt = None
+        if arrays.prompt_targets is not None:
+            prompt = (len(arrays.prompt_targets), self._score_prompt(blocks, arrays.prompt_targets))
+        return out, arrays.wants_logprobs, prompt
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:
@@ -172,16 +242,68 @@ class ModelRunner:
             self._no_history[shape] = jax.device_put(np.full(shape, -1, np.int32))
         return self._no_history[shape]
 
+    def _score_prompt(self, blocks, targets: np.ndarray) -> list[tuple[int, PromptOutput]]:
+        """Launches the prompt-logprobs program on each block with a row that asks.
+        targets: i32[T] (-1: nothing to score) -> [(block index, its PromptOutput)]."""
+        if self._prompt_program is None:
+            raise RuntimeError("the prompt-logprobs program was not compiled at warm-up")
+        padded = np.full(len(blocks) * BLOCK_ROWS, -1, np.int32)
+        padded[:len(targets)] = targets
+        scored = []
+        for i, block in enumerate(blocks):
+            rows = padded[i * BLOCK_ROWS:(i + 1) * BLOCK_ROWS]
+            if (rows >= 0).any():
+                out = self._prompt_program(self.params, block, rows)
+                for a in jax.tree.leaves(out):
+                    a.copy_to_host_async()
+                scored.append((i, out))
+        return scored
+
+    @staticmethod
+    def _fetch_prompt(prompt) -> PromptOutput | None:
+        """-> numpy PromptOutput over the step's T tokens (rows of unscored blocks are 0)."""
+        if prompt is None:
+            return None
+        T, scored = prompt
+        n = -(-T // BLOCK_ROWS) * BLOCK_ROWS
+        k = scored[0][1].top_ids.shape[1]
+        full = PromptOutput(np.zeros(n, np.float32), np.zeros(n, np.int32),
+                            np.zeros((n, k), np.int32), np.zeros((n, k), np.float32))
+        for i, out in scored:
+            rows = slice(i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS)
+            for name in ("logprob", "rank", "top_ids", "top_logprobs"):
+                getattr(full, name)[rows] = np.asarray(getattr(out, name))
+        return jax.tree.map(lambda a: a[:T], full)
+
     @staticmethod
     def fetch(handle) -> StepResult:
-        out, wants_logprobs = handle
+        out, wants_logprobs, prompt = handle
         out: SampleOutput
+        prompt = ModelRunner._fetch_prompt(prompt)
         if not wants_logprobs:
-            return StepResult(np.asarray(out.tokens))
+            return StepResult(np.asarray(out.tokens), prompt=prompt)
         return StepResult(*(np.asarray(a) for a in (out.tokens, out.logprob, out.top_ids,
-                                                    out.top_logprobs)))
+                                                    out.top_logprobs)), prompt=prompt)
+
+
+def disable_jax_compilation_cache() -> None:
+    """The executable cache replaces JAX's persistent cache: that one still traces and lowers
+    every program, and on XLA:CPU a program it hands back fails once serialized again."""
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def device_memory_bytes() -> int | None:
+    """The allocator's limit on the default device (None where the device reports none)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+def gpu_memory_limit() -> int | None:
+    """The allocator's limit on a GPU (what the memory plan divides); None off-GPU, where
+    host memory is shared with everything else and the KV cache has a fixed size."""
+    return device_memory_bytes() if jax.default_backend() == "gpu" else None
+
+
+def device_peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")

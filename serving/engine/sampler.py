@@ -1,5 +1,11 @@
 """On-device sampling, vectorised over the batch: one row per request, no Python branches on
-per-request values. Work that no request in the step needs is skipped with `lax.cond`."""
+per-request values.
+
+Work that no request in the step needs (penalties, bias, filters, random draws, logprobs) is
+skipped with `lax.cond` on a CPU, where the conditional costs nothing and the skipped work is
+most of a small step. On a GPU a conditional's predicate is copied to the host before the
+branch is launched, which stalls dispatch and undoes the overlap of host work with the device
+step: there every stage runs and `jnp.where` picks its result (`branch_mode`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +15,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.argmax_cpu import argmax_rows
 
-NUM_TOP_LOGPROBS = 20  # top logprobs computed when any request asks; each keeps its own count
+# Top logprobs computed when any request asks; each keeps its own count. The engine passes its
+# max_logprobs cap (vLLM's --max-logprobs), whose default this is.
+NUM_TOP_LOGPROBS = 20
 
 
 @jax.tree_util.register_dataclass
@@ -40,8 +48,8 @@ class SamplingInputs:
 class SampleOutput:
     tokens: jax.Array  # i32[R]
     logprob: jax.Array  # f32[R] of the sampled token under the model's distribution
-    top_ids: jax.Array  # i32[R, NUM_TOP_LOGPROBS]
-    top_logprobs: jax.Array  # f32[R, NUM_TOP_LOGPROBS]
+    top_ids: jax.Array  # i32[R, K] K = num_top
+    top_logprobs: jax.Array  # f32[R, K]
 
 
 def apply_penalties(logits, s: SamplingInputs):
@@ -88,49 +96,74 @@ def _gumbel(s: SamplingInputs, shape):
     return jax.vmap(row)(s.seed, s.output_index)
 
 
-def _top_logprobs(logits):
+def top_logprobs(logits, num_top: int):
+    """logits: f32[N, V] -> (logprobs f32[N, V], top ids i32[N, K], their logprobs f32[N, K])."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    vals, ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
+    vals, ids = jax.lax.top_k(logprobs, max(num_top, 1))
     return logprobs, ids.astype(jnp.int32), vals
 
 
-def sample(logits, s: SamplingInputs) -> SampleOutput:
+BRANCH_MODES = ("cond", "select")
+
+
+def branch_mode() -> str:
+    """"cond" on a CPU (skipped work is saved), "select" elsewhere (no host round trip)."""
+    return "cond" if jax.default_backend() == "cpu" else "select"
+
+
+def _when(mode: str, flag, stage, otherwise, *operands):
+    """stage(*operands) where flag (a bool[] scalar) holds, else otherwise(*operands)."""
+    if mode == "cond":
+        return jax.lax.cond(flag, stage, otherwise, *operands)
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), stage(*operands),
+                        otherwise(*operands))
+
+
+def sample(logits, s: SamplingInputs, num_top: int = NUM_TOP_LOGPROBS,
+           mode: str | None = None) -> SampleOutput:
     """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
     and output index, so a request samples the same tokens whatever else is in the batch.
-    A step of greedy requests asking for nothing else takes the argmax alone."""
+    A step of greedy requests asking for nothing else takes the argmax alone (under "cond").
+    mode: one of BRANCH_MODES; None: branch_mode() of the default device."""
+    mode = mode or branch_mode()
+    if mode not in BRANCH_MODES:
+        raise ValueError(f"unknown branch mode {mode!r}; choose one of {BRANCH_MODES}")
     R, _ = logits.shape
+    K = max(num_top, 1)
 
     def plain(raw):
         return SampleOutput(argmax_rows(raw), jnp.zeros((R,), jnp.float32),
-                            jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
-                            jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+                            jnp.zeros((R, K), jnp.int32), jnp.zeros((R, K), jnp.float32))
 
+    if mode == "select":  # every stage below selects its own result: no outer branch
+        return _sample_any(logits, s, K, mode)
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
-    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s), plain, logits)
+    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s, K, mode), plain, logits)
 
 
-def _sample_any(logits, s: SamplingInputs) -> SampleOutput:
+def _sample_any(logits, s: SamplingInputs, K: int, mode: str) -> SampleOutput:
     R, V = logits.shape
     raw = logits
-    logits = jax.lax.cond(s.any_penalty, apply_penalties, lambda l, _: l, logits, s)
-    logits = jax.lax.cond(s.any_bias, apply_bias, lambda l, _: l, logits, s)
+    unchanged = lambda l, _: l  # noqa: E731
+    logits = _when(mode, s.any_penalty, apply_penalties, unchanged, logits, s)
+    logits = _when(mode, s.any_bias, apply_bias, unchanged, logits, s)
     greedy = argmax_rows(logits)
 
     def random_tokens(logits):
-        filtered = jax.lax.cond(s.any_filter, apply_filters, lambda l, _: l, logits, s)
+        filtered = _when(mode, s.any_filter, apply_filters, unchanged, logits, s)
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
         return argmax_rows(filtered / temp + _gumbel(s, (R, V)))
 
-    drawn = jax.lax.cond(s.any_random, random_tokens, lambda l: greedy, logits)
+    drawn = _when(mode, s.any_random, random_tokens, lambda l: greedy, logits)
     tokens = jnp.where(s.temperature > 0, drawn, greedy)
 
     def logprob_outputs(raw):
-        logprobs, ids, vals = _top_logprobs(raw)
+        logprobs, ids, vals = top_logprobs(raw, K)
         return jnp.take_along_axis(logprobs, tokens[:, None], 1)[:, 0], ids, vals
 
     def no_logprobs(raw):
-        return (jnp.zeros((R,), jnp.float32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32),
-                jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
+        return (jnp.zeros((R,), jnp.float32), jnp.zeros((R, K), jnp.int32),
+                jnp.zeros((R, K), jnp.float32))
 
-    logprob, top_ids, top_vals = jax.lax.cond(s.any_logprobs, logprob_outputs, no_logprobs, raw)
+    logprob, top_ids, top_vals = _when(mode, s.any_logprobs, logprob_outputs, no_logprobs, raw)
     return SampleOutput(tokens, logprob, top_ids, top_vals)

@@ -1,24 +1,27 @@
-"""Resolving the engine's sizes: which model folder, context length, token budget, buckets and
-how many KV pages fit the memory budget."""
+"""Resolving the engine's sizes: which model folder, dtype, context length, buckets and how
+many KV pages fit the memory budget (on a GPU through serving/engine/memory_plan.py)."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from model.attention import FIXED_PAGE_TABLE
-from model.config import ModelConfig
+from model.config import DTYPES, ModelConfig
 from serving.core.buckets import Buckets
 from serving.core.config import EngineConfig, default_cache_root
+from serving.core.model_source import resolve_model_source
+from serving.engine import memory_plan
 
 log = logging.getLogger("xlaserve")
 CPU_KV_CACHE_CAP = 4 << 30
-GPU_KV_CACHE_FRACTION = 0.9
+CPU_MAX_MODEL_LEN = 2048  # the default cap off-GPU, where long contexts are slow anyway
 
 
 def resolve_model_dir(model: str | None) -> Path:
     """The folder to load; with no model, the demo model, fetched and converted on first use."""
     if model is not None:
-        return Path(model)
+        return resolve_model_source(model)
     from model.checkpoint import convert_hf, is_checkpoint
     from model.demo import fetch_demo_model
     root = default_cache_root() / "demo"
@@ -30,9 +33,29 @@ def resolve_model_dir(model: str | None) -> Path:
     return ckpt
 
 
-def max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+def resolve_dtype(requested: str | None, model_dir: Path, on_gpu: bool) -> str | None:
+    """The weights' and activations' dtype; None keeps the checkpoint's.
+
+    "auto" (or None) as vLLM: the config's torch_dtype, except that a float32 model runs in
+    bfloat16 on a GPU (tensor cores, half the bytes to read). Off-GPU, the checkpoint's."""
+    if requested not in (None, "auto"):
+        if requested not in DTYPES:
+            raise ValueError(f"unknown dtype {requested!r}; choose auto or "
+                             + ", ".join(DTYPES))
+        return requested
+    if not on_gpu:
+        return None
+    config = Path(model_dir) / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() else {}
+    torch_dtype = hf.get("torch_dtype") or hf.get("dtype")
+    return torch_dtype if torch_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+def max_model_len(cfg: ModelConfig, requested: int | None, cap: int | None = CPU_MAX_MODEL_LEN
+                  ) -> int:
+    """requested, checked against the model; None: the model's context, at most `cap`."""
     if requested is None:
-        return min(cfg.max_position_embeddings, 2048)
+        return min(cfg.max_position_embeddings, cap or cfg.max_position_embeddings)
     if requested > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {requested} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} tokens")
@@ -51,20 +74,40 @@ def buckets(ec: EngineConfig, max_len: int, max_batched: int, backend: str) -> B
                           min_tokens=GPU_MIN_TOKEN_BUCKET if backend == "pallas" else 1)
 
 
-def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, weight_bytes: int,
-              device_bytes: int | None, on_gpu: bool) -> int:
-    """Pages (sink included) that fit the KV cache budget; at least one full sequence."""
-    budget = ec.kv_cache_memory
-    if budget is not None and budget <= 1:
-        if device_bytes is None:
-            raise ValueError("kv_cache_memory as a fraction needs a device that reports memory")
-        budget = budget * (device_bytes - weight_bytes)
-    elif budget is None:
-        if on_gpu and device_bytes:
-            budget = GPU_KV_CACHE_FRACTION * (device_bytes - weight_bytes)
-        else:
-            pages_for_all = ec.max_num_seqs * -(-max_len // ec.page_size)
-            budget = min(CPU_KV_CACHE_CAP, pages_for_all * bytes_per_page)
+def kv_cache_memory(ec: EngineConfig) -> int | None:
+    return None if ec.kv_cache_memory is None else memory_plan.parse_bytes(ec.kv_cache_memory)
+
+
+def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: int,
+             allocator_limit: int, activation_peak) -> memory_plan.MemoryPlan:
+    """The GPU memory plan. activation_peak(max_model_len) -> bytes of the largest step's
+    temporaries for that context (compiled, not run)."""
+    longest = max_model_len(cfg, ec.max_model_len, cap=None)
+    peak = activation_peak(longest)
+    plan = memory_plan.plan_memory(
+        device_bytes=memory_plan.device_total_bytes(allocator_limit),
+        weight_bytes=weight_bytes, activation_bytes=peak, page_bytes=page_bytes,
+        page_size=ec.page_size, model_max_len=longest, max_model_len=ec.max_model_len,
+        gpu_memory_utilization=ec.gpu_memory_utilization, kv_cache_memory=kv_cache_memory(ec))
+    used = plan.weight_bytes + plan.activation_bytes + plan.kv_cache_bytes
+    if used > allocator_limit:
+        raise memory_plan.MemoryPlanError(
+            f"the plan needs {used / memory_plan.GIB:.2f} GiB but XLA's allocator is limited "
+            f"to {allocator_limit / memory_plan.GIB:.2f} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION "
+            f"{memory_plan.allocator_fraction()}); unset it or lower the memory options")
+    if plan.max_model_len < longest:
+        log.warning("max_model_len %d: the KV cache holds no more (the model's context is %d)",
+                    plan.max_model_len, longest)
+    return plan
+
+
+def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int) -> int:
+    """Off-GPU: pages (sink included) for kv_cache_memory bytes, or by default for
+    max_num_seqs full sequences, at most CPU_KV_CACHE_CAP; at least one full sequence."""
+    budget = kv_cache_memory(ec)
+    if budget is None:
+        pages_for_all = ec.max_num_seqs * -(-max_len // ec.page_size)
+        budget = min(CPU_KV_CACHE_CAP, pages_for_all * bytes_per_page)
     pages = int(budget // bytes_per_page)
     needed = -(-max_len // ec.page_size)
     if pages < needed:

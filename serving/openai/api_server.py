@@ -1,6 +1,6 @@
 """The aiohttp OpenAI-compatible server: routes, admission, graceful shutdown.
 
-Handlers validate and tokenize, split a request into one engine request per choice, and
+Handlers validate and tokenize, make one engine request per prompt (of n samples), and
 hand off to `serving.openai.sse` to stream or collect the outputs. `serving.openai.http_guard` wraps every
 handler (error envelope, API key, drain gate, hostile bodies), so every error leaves in
 OpenAI's envelope; nothing a client sends reaches the engine unvalidated or crashes the
@@ -56,6 +56,7 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/openapi.json", openapi)
     return app
 
@@ -94,16 +95,12 @@ def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: b
 
 
 def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
-             prompt_text: str = "") -> list[sse.Choice]:
-    """n engine requests for one prompt. A seeded request gets seed + i per choice so that
-    its choices differ from each other yet stay reproducible."""
-    out = []
-    for i in range(params.n):
-        seed = None if params.seed is None else params.seed + i
-        one = dataclasses.replace(params, n=1, seed=seed)
-        out.append(sse.Choice(first_index + i, responses.new_id("req"), prompt_ids, one, prompt_index,
-                              prompt_text))
-    return out
+             prompt_text: str = "", **echo) -> list[sse.Choice]:
+    """The n choices of one prompt: one engine request whose samples they are. echo:
+    sse.Choice's echo_only, echo_logprobs and prompt_logprobs."""
+    request_id = responses.new_id("req")
+    return [sse.Choice(first_index + i, request_id, prompt_ids, params, prompt_index,
+                       prompt_text, sample_index=i, **echo) for i in range(params.n)]
 
 
 async def _respond(request: web.Request, state: ServerState, choices: list[sse.Choice],
@@ -145,7 +142,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine, tokenizer = state.engine, state.engine.tokenizer
     check_admission(state)
-    req = p.parse_completion_request(await read_json(request), engine.max_model_len)
+    req = p.parse_completion_request(await read_json(request), engine.max_model_len,
+                                     engine.max_logprobs)
     _check_model(state, req.model)
     for prompt in req.prompts:
         if isinstance(prompt, str):
@@ -158,9 +156,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
         params = dataclasses.replace(req.params, max_tokens=max_tokens)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
-        choices += _choices(ids, i, params, i * req.params.n, echo)
-    texts = state.token_texts() if req.params.logprobs is not None else None
-    fmt = sse.CompletionFormat(responses.new_id("cmpl"), state.model, texts, req.include_usage)
+        choices += _choices(ids, i, params, i * req.params.n, echo, echo_only=req.echo_only,
+                            echo_logprobs=req.echo and req.params.logprobs is not None,
+                            prompt_logprobs=req.prompt_logprobs)
+    wants_texts = req.params.logprobs is not None or req.prompt_logprobs is not None
+    texts = state.token_texts() if wants_texts else None
+    fmt = sse.CompletionFormat(responses.new_id("cmpl"), state.model, texts, req.include_usage,
+                               logprobs=req.params.logprobs is not None)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
 
 
@@ -170,7 +172,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = state.engine
     check_admission(state)
     body = await read_json(request)
-    req = p.parse_chat_request(body)
+    req = p.parse_chat_request(body, engine.max_logprobs)
     tools = parse_tool_choice(body, state.tool_call_parser is not None)
     _check_model(state, req.model)
     ids = _chat_ids(state, req.messages, req.add_generation_prompt, tools=tools.tools)
@@ -180,11 +182,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if tools.forced:
         params = _forced_tool_call(params, tools)
     p.check_request_token_ids(ids, params, engine.vocab_size)
-    texts = state.token_texts() if req.logprobs else None
+    texts = state.token_texts() if req.logprobs or req.prompt_logprobs is not None else None
     fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
-                         tools, state.tool_call_parser)
-    return await _respond(request, state, _choices(ids, 0, params, 0), fmt, req.stream,
-                          arrival)
+                         tools, state.tool_call_parser, logprobs=req.logprobs)
+    choices = _choices(ids, 0, params, 0, prompt_logprobs=req.prompt_logprobs)
+    return await _respond(request, state, choices, fmt, req.stream, arrival)
 
 
 def _model_card(state: ServerState) -> dict:
@@ -212,14 +214,15 @@ async def health(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response(openapi_spec(state.model, state.engine.vocab_size,
-                                          state.engine.max_model_len))
+                                          state.engine.max_model_len, state.engine.max_logprobs))
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     stats = state.engine.stats()
     state.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
-                                   stats.num_preemptions_total)
+                                   stats.num_preemptions_total,
+                                   stats.prefix_cache_queries, stats.prefix_cache_hits)
     response = web.Response(body=state.metrics.render())
     response.headers["Content-Type"] = state.metrics.content_type
     return response
@@ -259,6 +262,19 @@ async def detokenize(request: web.Request) -> web.Response:
         raise p.ProtocolError("'tokens' must be a list of token ids", param="tokens")
     p.check_token_ids(tokens, state.engine.vocab_size, "tokens")
     return web.json_response({"prompt": tokenizer.decode(tokens)})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """What a client needs to tokenize as the server does (vLLM's /tokenizer_info;
+    lm-evaluation-harness's remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+    state = request.app[STATE]
+    tokenizer = state.engine.tokenizer
+    return web.json_response({
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
+        "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "model_max_length": state.engine.max_model_len, "vocab_size": state.engine.vocab_size})
 
 
 # -- serving -------------------------------------------------------------------------------

@@ -48,6 +48,10 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions_total", "Preempted requests.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter(PREFIX + "request_success_total",
                                 "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
@@ -63,7 +67,7 @@ class Metrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Time a request waited before it was first scheduled.",
                                     REQUEST_BUCKETS)
-        self._preemptions_seen = 0
+        self._seen: dict[str, int] = {}  # engine running totals already counted
 
     # -- called by the server -------------------------------------------------------------
 
@@ -88,14 +92,21 @@ class Metrics:
             self.queue_time.observe(queue_s)
 
     def set_engine_stats(self, running: int, waiting: int, kv_usage: float,
-                         preemptions_total: int) -> None:
+                         preemptions_total: int, prefix_cache_queries: int = 0,
+                         prefix_cache_hits: int = 0) -> None:
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
         self.kv_cache_usage_perc.set(kv_usage)
-        # The engine reports a running total; a Prometheus counter only moves forward.
-        if preemptions_total > self._preemptions_seen:
-            self.num_preemptions.inc(preemptions_total - self._preemptions_seen)
-            self._preemptions_seen = preemptions_total
+        self._advance(self.num_preemptions, "preemptions", preemptions_total)
+        self._advance(self.prefix_cache_queries, "queries", prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, "hits", prefix_cache_hits)
+
+    def _advance(self, counter, name: str, total: int) -> None:
+        """The engine reports running totals; a Prometheus counter only moves forward."""
+        seen = self._seen.get(name, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

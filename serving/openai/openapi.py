@@ -4,8 +4,8 @@ request body may hold (the rules `serving.openai.protocol` enforces) and the err
 Like every route but /health, /openapi.json needs the API key when the server has one.
 Unknown fields are ignored, as OpenAI and vLLM do, so objects allow additional properties.
 Every optional field also accepts null, which means "the default". Rules that tie two
-fields together (stream_options needs stream, top_logprobs needs logprobs, the context
-length) are in the descriptions.
+fields together (stream_options needs stream, top_logprobs needs logprobs, prompt_logprobs
+excludes stream, max_tokens 0 needs echo, the context length) are in the descriptions.
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def _sampling_fields(token_id: dict, model: str) -> dict:
             "description": "token id (a string of digits, inside the vocabulary) -> bias"}),
         "ignore_eos": _bool(),
         "include_stop_str_in_output": _bool(),
+        "cache_salt": _nullable({**NON_EMPTY_STRING, "description": (
+            "prefix-cache entries are shared only between requests with the same salt")}),
         "skip_special_tokens": _bool(enum=[True], description="only true is supported"),
         "spaces_between_special_tokens": _bool(enum=[True],
                                                description="only true is supported"),
@@ -107,6 +109,11 @@ def _stream_rule() -> dict:
                      {"required": ["stream"], "properties": {"stream": {"const": True}}})
 
 
+def _no_stream_rule(field: str) -> dict:
+    return _requires(field, {"type": "integer"}, {"not": {
+        "required": ["stream"], "properties": {"stream": {"const": True}}}})
+
+
 def _tools() -> dict:
     function = {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
@@ -131,7 +138,8 @@ def _tools() -> dict:
         "parallel_tool_calls": _bool()}
 
 
-def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str, dict]:
+def request_schemas(model: str, vocab_size: int, max_model_len: int,
+                    max_logprobs: int = MAX_LOGPROBS) -> dict[str, dict]:
     """Route -> JSON Schema of its request body."""
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     token_ids = {"type": "array", "items": token_id, "minItems": 1,
@@ -139,6 +147,9 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
     max_tokens = _int(1, max_model_len - 1, description="prompt tokens + max_tokens must fit "
                                                         f"the context ({max_model_len})")
     sampling = _sampling_fields(token_id, model)
+    prompt_logprobs = _int(0, max_logprobs, description=(
+        "vLLM's: per prompt token (the first null) its logprob, rank and the top k, keyed by "
+        "token id; not with stream"))
     completion = {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"anyOf": [
             NON_EMPTY_STRING,
@@ -146,23 +157,31 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int) -> dict[str
             token_ids,
             {"type": "array", "items": token_ids, "minItems": 1}],
             "description": "text, texts, token ids or lists of token ids"},
-        "max_tokens": {**max_tokens, "description": "default 16"},
-        "logprobs": _int(0, MAX_LOGPROBS),
-        "echo": _bool(description="not together with logprobs"),
+        "max_tokens": _int(0, max_model_len - 1, description=(
+            f"default 16; prompt tokens + max_tokens must fit the context ({max_model_len}); "
+            "0 only with echo: the prompt alone")),
+        "logprobs": _int(0, max_logprobs),
+        "echo": _bool(description="prompt text + completion; with logprobs, they cover the "
+                                  "prompt's tokens (the first null), then the completion's"),
+        "prompt_logprobs": prompt_logprobs,
         "suffix": {"type": "null", "description": "not supported"},
-        **sampling}, "allOf": [_stream_rule()]}
+        **sampling}, "allOf": [
+        _stream_rule(), _no_stream_rule("prompt_logprobs"),
+        _requires("max_tokens", {"const": 0},
+                  {"required": ["echo"], "properties": {"echo": {"const": True}}})]}
     chat = {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "items": _message(), "minItems": 1},
         "max_tokens": {**max_tokens, "description": "default: what the context leaves"},
         "max_completion_tokens": {**max_tokens, "description": "wins over max_tokens"},
         "logprobs": _bool(),
-        "top_logprobs": _int(0, MAX_LOGPROBS, description="requires logprobs: true"),
+        "top_logprobs": _int(0, max_logprobs, description="requires logprobs: true"),
+        "prompt_logprobs": prompt_logprobs,
         "add_generation_prompt": _bool(),
         **_tools(),
         "response_format": _nullable({"type": "object", "required": ["type"],
                                       "properties": {"type": {"const": "text"}}}),
         **sampling}, "allOf": [
-        _stream_rule(),
+        _stream_rule(), _no_stream_rule("prompt_logprobs"),
         _requires("top_logprobs", {"type": "integer"},
                   {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
         _requires("tool_choice", {"not": {"anyOf": [{"type": "null"}, {"const": "none"}]}},
@@ -216,8 +235,9 @@ def _get(summary: str, content_type: str = "application/json", **extra) -> dict:
                                   **_errors(401, 404, 405, 503)}, **extra}}
 
 
-def openapi_spec(model: str, vocab_size: int, max_model_len: int) -> dict:
-    bodies = request_schemas(model, vocab_size, max_model_len)
+def openapi_spec(model: str, vocab_size: int, max_model_len: int,
+                 max_logprobs: int = MAX_LOGPROBS) -> dict:
+    bodies = request_schemas(model, vocab_size, max_model_len, max_logprobs)
     model_param = {"name": "model", "in": "path", "required": True,
                    "schema": {"type": "string", "description": f"'{model}' (else 404)"}}
     return {
@@ -233,6 +253,7 @@ def openapi_spec(model: str, vocab_size: int, max_model_len: int) -> dict:
             "/v1/models/{model}": _get("one model", parameters=[model_param]),
             "/tokenize": _post("text or messages to token ids", bodies["/tokenize"]),
             "/detokenize": _post("token ids to text", bodies["/detokenize"]),
+            "/tokenizer_info": _get("the tokenizer's special tokens and chat template"),
             "/health": _get("200 once ready; 503 while warming up, draining or after the "
                             "engine failed", security=[]),
             "/metrics": _get("Prometheus metrics", "text/plain"),

@@ -122,6 +122,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, nothing generated
+    prompt_logprobs: int | None = None  # vLLM's extra field, as the client asked it
 
 
 @dataclass
@@ -135,6 +137,7 @@ class ChatRequest:
     top_logprobs: int = 0
     add_generation_prompt: bool = True
     max_tokens_param: str = "max_tokens"  # which field set the limit, for error messages
+    prompt_logprobs: int | None = None  # vLLM's extra field
 
 
 def _stop(body: dict) -> list[str]:
@@ -188,7 +191,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
 
 
 def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
-                     logprobs_param: str) -> SamplingParams:
+                     logprobs_param: str, prompt_logprobs: int | None = None) -> SamplingParams:
     """The fields both endpoints share. Types are checked here, ranges by SamplingParams."""
     seed = _int(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)
     n = _int(body, "n", 1)
@@ -200,13 +203,15 @@ def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
     kwargs = dict(
         n=n, seed=seed, max_tokens=max_tokens, stop=_stop(body),
         stop_token_ids=_stop_token_ids(body), logit_bias=_logit_bias(body), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
         top_k=_int(body, "top_k", 0, -1, MAX_TOP_K), min_p=_number(body, "min_p", 0.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         ignore_eos=opt_bool(body, "ignore_eos"),
-        include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"))
+        include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"),
+        cache_salt=opt_str(body, "cache_salt"))
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:
@@ -241,27 +246,45 @@ def _prompts(value) -> list[str | list[int]]:
                         "a list of lists of token ids", param="prompt")
 
 
-def parse_completion_request(body: dict, max_model_len: int) -> CompletionRequest:
+def _prompt_logprobs(body: dict, stream: bool, max_logprobs: int) -> int | None:
+    k = _int(body, "prompt_logprobs", None, 0, max_logprobs)
+    if k is not None and stream:  # vLLM refuses it too: the prompt's entries are one block
+        raise ProtocolError("'prompt_logprobs' is not available when 'stream' is true",
+                            param="prompt_logprobs")
+    return k
+
+
+def parse_completion_request(body: dict, max_model_len: int,
+                             max_logprobs: int = MAX_LOGPROBS) -> CompletionRequest:
     model, stream, include_usage = _common(body)
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", param="prompt")
     prompts = _prompts(body["prompt"])
     if body.get("suffix") is not None:
         raise _unsupported("suffix", "suffix")
-    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = _int(body, "logprobs", None, 0, max_logprobs)
     echo = opt_bool(body, "echo")
-    if echo and logprobs is not None:
-        raise _unsupported("echo", "echo together with logprobs (prompt logprobs)")
+    prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
     max_tokens = _int(body, "max_tokens", 16)
-    params = _sampling_params(body, max_tokens=max_tokens, max_tokens_param="max_tokens",
-                              logprobs=logprobs, logprobs_param="logprobs")
+    echo_only = echo and max_tokens == 0
+    if max_tokens == 0 and not echo:
+        raise ProtocolError("'max_tokens' must be >= 1 unless 'echo' is true (0 with echo "
+                            "returns the prompt alone)", param="max_tokens")
+    # With echo, the logprobs cover the prompt too: its tokens need the same top-k. Echo
+    # without generation still runs the prefill and samples one token, which is dropped.
+    engine_prompt_k = max((k for k in (prompt_logprobs, logprobs if echo else None)
+                           if k is not None), default=None)
+    params = _sampling_params(body, max_tokens=1 if echo_only else max_tokens,
+                              max_tokens_param="max_tokens", logprobs=logprobs,
+                              logprobs_param="logprobs", prompt_logprobs=engine_prompt_k)
     if len(prompts) * params.n > MAX_CHOICES:
         raise ProtocolError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
                             param="n")
     for p in prompts:  # token-id prompts can be checked before tokenization
         if isinstance(p, list):
             check_context(len(p), params.max_tokens, max_model_len)
-    return CompletionRequest(model, prompts, params, stream, include_usage, echo)
+    return CompletionRequest(model, prompts, params, stream, include_usage, echo, echo_only,
+                             prompt_logprobs)
 
 
 def _content(message: dict, i: int) -> str:
@@ -334,14 +357,15 @@ def _messages(value) -> list[dict]:
     return out
 
 
-def parse_chat_request(body: dict) -> ChatRequest:
+def parse_chat_request(body: dict, max_logprobs: int = MAX_LOGPROBS) -> ChatRequest:
     model, stream, include_usage = _common(body)
     messages = _messages(body.get("messages"))
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _unsupported("response_format", "response_format other than text")
     logprobs = opt_bool(body, "logprobs")
-    top_logprobs = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top_logprobs = _int(body, "top_logprobs", None, 0, max_logprobs)
+    prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
     if top_logprobs is not None and not logprobs:
         raise ProtocolError("'top_logprobs' requires 'logprobs' to be true",
                             param="top_logprobs")
@@ -350,9 +374,10 @@ def parse_chat_request(body: dict) -> ChatRequest:
     max_tokens = _int(body, param, None)
     params = _sampling_params(body, max_tokens=max_tokens, max_tokens_param=param,
                               logprobs=(top_logprobs or 0) if logprobs else None,
-                              logprobs_param="top_logprobs")
+                              logprobs_param="top_logprobs", prompt_logprobs=prompt_logprobs)
     return ChatRequest(model, messages, params, stream, include_usage, logprobs,
-                       top_logprobs or 0, opt_bool(body, "add_generation_prompt", True), param)
+                       top_logprobs or 0, opt_bool(body, "add_generation_prompt", True), param,
+                       prompt_logprobs)
 
 
 def refused(e: RequestRefused) -> ProtocolError:

@@ -77,11 +77,12 @@ def usage_chunk(obj: str, request_id: str, model: str, created: int, usage_: dic
 
 @dataclass
 class LogprobEntry:
-    """One sampled token with its logprob and the top alternatives, as text and bytes."""
+    """One sampled token with its logprob and the top alternatives, as text and bytes. An
+    echoed first prompt token has neither (None: null in the response)."""
     token: str
     bytes: list[int]
-    logprob: float
-    top: list[tuple[str, list[int], float]] = field(default_factory=list)
+    logprob: float | None
+    top: list[tuple[str, list[int], float]] | None = field(default_factory=list)
 
 
 def completion_logprobs(entries: list[LogprobEntry], text_offset: int = 0) -> dict:
@@ -92,7 +93,8 @@ def completion_logprobs(entries: list[LogprobEntry], text_offset: int = 0) -> di
         text_offset += len(e.token)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tok: lp for tok, _, lp in e.top} for e in entries],
+            "top_logprobs": [None if e.top is None else {tok: lp for tok, _, lp in e.top}
+                             for e in entries],
             "text_offset": offsets}
 
 

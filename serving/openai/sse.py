@@ -1,6 +1,6 @@
-"""From engine outputs to OpenAI responses: one request's choices run as concurrent engine
-requests, merged into one stream of updates, then written as SSE chunks or collected into
-one JSON response.
+"""From engine outputs to OpenAI responses: one engine request per prompt, whose n samples
+are the prompt's choices, merged into one stream of updates, then written as SSE chunks or
+collected into one JSON response.
 
 Lifetime rule: whatever way a response ends (finished, error, client gone, handler
 cancelled), every engine generator is closed, which aborts its engine request and frees its
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from serving.openai import echo
 from serving.openai import protocol as p
 from serving.openai import responses
 from serving.openai.token_texts import TokenTexts
@@ -37,19 +38,26 @@ def sse_event(obj: dict) -> bytes:
 
 @dataclass
 class Choice:
-    """One OpenAI choice = one engine request."""
+    """One OpenAI choice = one sample of an engine request (choices of one prompt share
+    the request id)."""
     index: int
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams  # n == 1, max_tokens resolved against the context
+    params: SamplingParams  # the request's: n samples, max_tokens resolved against the context
     prompt_index: int = 0  # which prompt of the request: usage counts each prompt once
     prompt_text: str = ""  # echoed before the completion (completions with echo)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    echo_only: bool = False  # max_tokens 0 with echo: the one sampled token is not shown
+    echo_logprobs: bool = False  # echo with logprobs: they cover the prompt, then the rest
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, with this top k
+    echo_pending: bool = False  # streaming: the echo waits for the prompt's logprobs
+    sample_index: int = 0  # RequestOutput.index of this choice's sample
 
 
 class OutputStream:
-    """Runs the choices' engine requests concurrently and hands out (choice, output) pairs
-    in arrival order; `get()` returns None once every request has finished.
+    """Runs the choices' engine requests (one per prompt, its n samples the choices)
+    concurrently and hands out (choice, output) pairs in arrival order; `get()` returns None
+    once every sample has finished.
 
     All of them deliver into one queue, filled from the engine thread: the one hop between
     the engine and this response (docs/architecture.md, "A request's path"). Every request is
@@ -58,20 +66,22 @@ class OutputStream:
 
     def __init__(self, engine, metrics, choices: list[Choice], arrival: float):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._choices = {c.request_id: c for c in choices}
-        self._trackers = {c.request_id: metrics.track(len(c.prompt_ids), arrival)
-                          for c in choices}
-        self._queue_times: dict[str, float | None] = {}
+        # Keyed by (request id, sample index): one choice, one tracker per sample.
+        self._choices = {(c.request_id, c.sample_index): c for c in choices}
+        self._trackers = {key: metrics.track(len(c.prompt_ids), arrival)
+                          for key, c in self._choices.items()}
+        self._queue_times: dict[tuple[str, int], float | None] = {}
         self._streams = {}
         try:
             for c in choices:
-                self._streams[c.request_id] = engine.generate(c.prompt_ids, c.params,
-                                                              c.request_id, queue=self._queue)
+                if c.request_id not in self._streams:
+                    self._streams[c.request_id] = engine.generate(
+                        c.prompt_ids, c.params, c.request_id, queue=self._queue)
         except BaseException:
             for stream in self._streams.values():  # withdraw the ones already submitted
                 stream.close()
             raise
-        self._open = set(self._streams)
+        self._open = set(self._choices)
 
     def token_counts(self) -> tuple[int, int]:
         """(prompt tokens, output tokens so far) over every choice."""
@@ -81,29 +91,36 @@ class OutputStream:
     async def get(self) -> tuple[Choice, RequestOutput] | None:
         while self._open:
             request_id, item = await self._queue.get()
-            if request_id not in self._open:
+            if isinstance(item, Exception):
+                samples = [key for key in self._open if key[0] == request_id]
+                if not samples:
+                    continue
+                self._streams[request_id].take(item)
+                for key in samples:
+                    self._open.discard(key)
+                    if self._trackers[key].last is None:
+                        self._trackers[key].done = True  # refused before it ran
+                raise item
+            key = (request_id, item.index)
+            if key not in self._open:
                 continue  # after its end (e.g. an abort racing the last step)
             self._streams[request_id].take(item)
-            tracker = self._trackers[request_id]
-            if isinstance(item, Exception):
-                self._open.discard(request_id)
-                if tracker.last is None:
-                    tracker.done = True  # refused before it ran: not a finished request
-                raise item
-            if request_id not in self._queue_times:  # the engine sends it on the first update
-                self._queue_times[request_id] = item.queue_time
+            tracker = self._trackers[key]
+            if key not in self._queue_times:  # the engine sends it on the first update
+                self._queue_times[key] = item.queue_time
             tracker.on_output(len(item.new_token_ids))
             if item.finished:
-                self._open.discard(request_id)
-                tracker.on_finish(item.finish_reason, self._queue_times[request_id])
-            return self._choices[request_id], item
+                self._open.discard(key)
+                tracker.on_finish(item.finish_reason, self._queue_times[key])
+            return self._choices[key], item
         return None
 
     async def aclose(self) -> None:
         """Aborts every request still running (client gone, error, cancelled handler)."""
-        for request_id in self._open:
+        for request_id in {key[0] for key in self._open}:
             self._streams[request_id].close()
-            self._trackers[request_id].on_finish("abort")
+        for key in self._open:
+            self._trackers[key].on_finish("abort")
         self._open.clear()
 
 
@@ -154,13 +171,16 @@ class _Format:
     chunk_object = ""
 
     def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
-                 include_usage: bool):
+                 include_usage: bool, logprobs: bool | None = None):
+        """texts: for logprobs or prompt_logprobs; logprobs: whether the choices carry
+        logprobs (default: when texts are given)."""
         self.request_id, self.model, self.texts = request_id, model, texts
         self.include_usage = include_usage
+        self.logprobs = texts is not None if logprobs is None else logprobs
         self.created = responses.now()
 
     def entries(self, logprobs: list[TokenLogprob] | None) -> list[responses.LogprobEntry] | None:
-        if self.texts is None:
+        if not self.logprobs:
             return None
         return [self.texts.entry(lp) for lp in (logprobs or [])]
 
@@ -174,26 +194,60 @@ class CompletionFormat(_Format):
     def opening(self, choice: Choice) -> list[dict]:
         if not choice.prompt_text:
             return []
+        if choice.echo_logprobs:  # sent with the first update, which brings the prompt's
+            choice.echo_pending = True
+            return []
         choice.text_offset = len(choice.prompt_text)
         return [responses.completion_chunk(self.request_id, self.model, self.created, choice.index,
                                    choice.prompt_text, include_usage=self.include_usage)]
 
+    def _shown(self, choice: Choice, text: str, logprobs):
+        """(text, logprob entries) of the completion as the client sees it."""
+        entries = self.entries(logprobs)
+        if choice.echo_only:
+            return "", None if entries is None else []
+        return text, entries
+
+    def _logprobs(self, choice: Choice, entries, prompt_logprobs) -> dict | None:
+        """Completions logprobs: with echo, the prompt's tokens (offsets from 0), then the
+        completion's (offsets after the echoed prompt text)."""
+        if entries is None:
+            return None
+        rest = responses.completion_logprobs(entries, len(choice.prompt_text))
+        if not choice.echo_logprobs or prompt_logprobs is None:
+            return rest
+        prompt = responses.completion_logprobs(
+            echo.prompt_entries(self.texts, choice.prompt_ids, prompt_logprobs), 0)
+        return {key: prompt[key] + rest[key] for key in prompt}
+
     def chunks(self, choice: Choice, out: RequestOutput) -> list[dict]:
-        entries = self.entries(out.new_logprobs)
-        if not (out.new_text or out.finished or entries):
+        text, entries = self._shown(choice, out.new_text, out.new_logprobs)
+        if choice.echo_pending:
+            choice.echo_pending = False
+            logprobs = self._logprobs(choice, entries, out.prompt_logprobs)
+            choice.text_offset = len(choice.prompt_text) + len(text)
+            text = choice.prompt_text + text
+        elif not (text or out.finished or entries):
             return []
-        logprobs = None if entries is None else responses.completion_logprobs(entries, choice.text_offset)
-        choice.text_offset += len(out.new_text)
+        else:
+            logprobs = None if entries is None else responses.completion_logprobs(
+                entries, choice.text_offset)
+            choice.text_offset += len(text)
         return [responses.completion_chunk(
-            self.request_id, self.model, self.created, choice.index, out.new_text,
+            self.request_id, self.model, self.created, choice.index, text,
             out.finish_reason if out.finished else None, logprobs,
             out.stop_reason if out.finished else None, include_usage=self.include_usage)]
 
     def choice(self, choice: Choice, out: CompletionOutput) -> dict:
-        entries = self.entries(out.logprobs)
-        lp = None if entries is None else responses.completion_logprobs(entries, len(choice.prompt_text))
-        return responses.completion_choice(choice.index, choice.prompt_text + out.text,
-                                   out.finish_reason, lp, out.stop_reason)
+        text, entries = self._shown(choice, out.text, out.logprobs)
+        body = responses.completion_choice(choice.index, choice.prompt_text + text,
+                                           out.finish_reason,
+                                           self._logprobs(choice, entries, out.prompt_logprobs),
+                                           out.stop_reason)
+        if choice.prompt_logprobs is not None:
+            body["prompt_logprobs"] = echo.vllm_prompt_logprobs(
+                self.texts, out.prompt_logprobs or [], choice.prompt_logprobs)
+        return body
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         return responses.completion_response(self.request_id, self.model, self.created, choices, usage)
@@ -201,11 +255,12 @@ class CompletionFormat(_Format):
 
 class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
+    prompt_logprobs: list | None = None  # vLLM's field, set by choice()
 
     def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
                  include_usage: bool, tools: ToolChoice | None = None,
-                 tool_parser: str | None = None):
-        super().__init__(request_id, model, texts, include_usage)
+                 tool_parser: str | None = None, logprobs: bool | None = None):
+        super().__init__(request_id, model, texts, include_usage, logprobs)
         self.tools, self.tool_parser = tools or ToolChoice(), tool_parser
         self._parsers: dict[int, ToolCallParser | None] = {}
 
@@ -247,6 +302,9 @@ class ChatFormat(_Format):
     def choice(self, choice: Choice, out: CompletionOutput) -> dict:
         entries = self.entries(out.logprobs)
         lp = None if entries is None else responses.chat_logprobs(entries)
+        if choice.prompt_logprobs is not None:  # vLLM puts it on the response, not a choice
+            self.prompt_logprobs = echo.vllm_prompt_logprobs(
+                self.texts, out.prompt_logprobs or [], choice.prompt_logprobs)
         parser = parser_for(self.tools, self.tool_parser)
         if parser is None:
             return responses.chat_choice(choice.index, out.text, out.finish_reason, lp,
@@ -259,7 +317,10 @@ class ChatFormat(_Format):
                                      out.stop_reason, parser.calls or None)
 
     def response(self, choices: list[dict], usage: dict) -> dict:
-        return responses.chat_response(self.request_id, self.model, self.created, choices, usage)
+        body = responses.chat_response(self.request_id, self.model, self.created, choices, usage)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
+        return body
 
 
 def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
@@ -267,9 +328,11 @@ def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | N
 
 
 def count_usage(choices: list[Choice], num_tokens: dict[int, int]) -> dict:
-    """Prompt tokens once per prompt (not once per choice), as OpenAI counts."""
+    """Prompt tokens once per prompt (not once per choice), as OpenAI counts. Echo without
+    generation generated nothing the client sees."""
     prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
-    return responses.usage(sum(prompts.values()), sum(num_tokens.values()))
+    return responses.usage(sum(prompts.values()),
+                           sum(num_tokens[c.index] for c in choices if not c.echo_only))
 
 
 # -- writing -------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""GPU memory sizing (serving/engine/memory_plan.py) as a pure function, and the engine's use
+of it: weights freed from the stacked tree first, the plan before the KV cache exists."""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from model.kv_cache import bytes_per_page
+from serving.engine import memory_plan
+from serving.engine.memory_plan import MemoryPlanError, parse_bytes, plan_memory
+
+GIB = 1 << 30
+H200_BYTES = 143_771 << 20  # what nvidia-smi reports for an H200 (143771 MiB)
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def llama_8b_weight_bytes() -> int:
+    h, i, v, layers, kv = 4096, 14336, 128256, 32, 8 * 128
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h  # q, o; k, v; mlp; two norms
+    return 2 * (layers * per_layer + 2 * v * h + h)  # bf16; embed and lm_head; final norm
+
+
+def test_llama_8b_on_an_h200_fits_with_its_whole_context():
+    cfg = ModelConfig.from_hf(LLAMA_8B)
+    page = bytes_per_page(cfg, 16)
+    assert page == 2 * 32 * 16 * 8 * 128 * 2  # K and V, 32 layers, 16 tokens, 8 heads x 128
+    weights = llama_8b_weight_bytes()
+    assert 16.0e9 < weights < 16.1e9
+    activations = 3 * GIB
+    plan = plan_memory(device_bytes=H200_BYTES, weight_bytes=weights,
+                       activation_bytes=activations, page_bytes=page, page_size=16,
+                       model_max_len=131072)
+    budget = int(0.9 * H200_BYTES)
+    assert plan.budget_bytes == budget
+    assert plan.num_pages == (budget - weights - activations) // page
+    # Everything the engine holds fits the budget; less than a page is left unused.
+    used = weights + activations + plan.kv_cache_bytes
+    assert budget - page < used <= budget
+    assert plan.max_model_len == 131072
+    assert 6 < plan.max_concurrency < 7  # ~810k tokens of KV cache
+    # The old rule, 0.9 x (device - weights) of KV cache next to two copies of the weights,
+    # needed more than the device has.
+    assert 2 * weights + 0.9 * (H200_BYTES - weights) > H200_BYTES
+    text = plan.describe()
+    assert "weights 14.96 GiB" in text and f"{plan.num_pages - 1} pages" in text
+
+
+def test_a_model_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(MemoryPlanError, match="does not fit.*quantize"):
+        plan_memory(device_bytes=24 * GIB, weight_bytes=22 * GIB, activation_bytes=GIB,
+                    page_bytes=2 << 20, page_size=16, model_max_len=131072)
+
+
+def test_max_model_len_default_is_what_the_cache_holds_and_a_request_beyond_it_fails():
+    page = 1 << 20
+    common = dict(device_bytes=10 * GIB, weight_bytes=8 * GIB, activation_bytes=0,
+                  page_bytes=page, page_size=16, model_max_len=1 << 20)
+    plan = plan_memory(**common)  # 1 GiB of KV cache: 1023 usable pages
+    assert plan.num_pages == 1024 and plan.max_model_len == 1023 * 16
+    assert plan_memory(**common, max_model_len=4096).max_model_len == 4096
+    with pytest.raises(MemoryPlanError, match="max_model_len 20000 needs 1250 KV pages"):
+        plan_memory(**common, max_model_len=20000)
+
+
+def test_utilization_and_explicit_kv_cache_size():
+    common = dict(device_bytes=100 * GIB, weight_bytes=10 * GIB, activation_bytes=2 * GIB,
+                  page_bytes=GIB // 1024, page_size=16, model_max_len=8192)
+    half = plan_memory(**common, gpu_memory_utilization=0.5)
+    assert half.kv_cache_bytes == 38 * GIB
+    fixed = plan_memory(**common, kv_cache_memory=5 * GIB)
+    assert fixed.kv_cache_bytes == 5 * GIB
+    with pytest.raises(MemoryPlanError, match="exceed the device"):
+        plan_memory(**common, kv_cache_memory=90 * GIB)
+    with pytest.raises(MemoryPlanError, match="gpu_memory_utilization must be in"):
+        plan_memory(**common, gpu_memory_utilization=1.5)
+
+
+def test_sizes_in_bytes():
+    assert parse_bytes("20GiB") == 20 * GIB
+    assert parse_bytes("20GB") == parse_bytes("20G") == 20 * 10**9
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("2000000000") == parse_bytes(2e9) == 2 * 10**9
+    for bad in ("0.9", "lots", "20XB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_xla_allocator_is_told_the_budget_unless_the_user_set_it():
+    env = {}
+    assert memory_plan.configure_xla_allocator(0.9, env) == 0.9
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9000"
+    assert memory_plan.device_total_bytes(90 * GIB, env) == 100 * GIB
+    mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert memory_plan.configure_xla_allocator(0.9, mine) == 0.5
+    assert memory_plan.device_total_bytes(GIB, {}) == int(GIB / 0.75)  # XLA's default
+
+
+# -- the engine's side -------------------------------------------------------------------------
+
+TINY = {**LLAMA_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "max_position_embeddings": 4096, "torch_dtype": "float32"}
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return tmp_path
+
+
+def test_prepared_weights_free_the_stacked_tree(tiny_dir):
+    from model.runtime_params import prepare_params
+    from model.transformer import init_params
+    cfg = ModelConfig.from_dir(tiny_dir)
+    stored = init_params(cfg, 0)
+    expected = prepare_params(jax.tree.map(lambda a: a.copy(), stored))
+    stacked = jax.tree.leaves(stored["layers"])
+    run = prepare_params(stored, free_stacked=True)
+    assert all(a.is_deleted() for a in stacked)
+    for a, b in zip(jax.tree.leaves(run), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
+    """An engine on this CPU that sizes its cache as on a GPU reporting `limit` bytes."""
+    from model.kv_cache import KVCache
+    from serving.engine import llm_engine
+    allocated = []  # pages of each KV cache made on the device (traced ones are not)
+    zeros = KVCache.zeros.__func__
+
+    def recording(cls, *args, **kwargs):
+        cache = zeros(cls, *args, **kwargs)
+        if not isinstance(cache.k, jax.core.Tracer):
+            allocated.append(args[1])
+        return cache
+
+    monkeypatch.setattr(KVCache, "zeros", classmethod(recording))
+    monkeypatch.setattr(llm_engine, "gpu_memory_limit", lambda: limit)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    options = dict(model=str(tiny_dir), load_format="dummy", compilation_cache_dir=None,
+                   progress=False, max_num_seqs=4, max_num_batched_tokens=32, **options)
+    try:
+        return llm_engine.LLMEngine(**options), allocated
+    except MemoryPlanError as e:
+        return e, allocated
+
+
+def test_engine_plans_the_cache_from_the_compiled_largest_step(tiny_dir, monkeypatch):
+    cfg = ModelConfig.from_dir(tiny_dir)
+    page = bytes_per_page(cfg, 16)
+    limit = 64 << 20
+    engine, allocated = _gpu_like_engine(tiny_dir, monkeypatch, limit)
+    plan = engine.memory_plan
+    assert plan.activation_bytes > 0
+    assert plan.device_bytes == int(limit / 0.9)
+    assert plan.weight_bytes == engine.weight_bytes
+    assert plan.num_pages == (plan.budget_bytes - engine.weight_bytes
+                              - plan.activation_bytes) // page
+    assert engine.num_pages == plan.num_pages and allocated[-1] == plan.num_pages
+    assert engine.max_model_len == 4096  # the model's whole context: the cache holds it
+    assert engine.buckets.pages[-1] == 4096 // 16
+
+
+def test_engine_refuses_a_model_that_cannot_fit_before_allocating_a_cache(tiny_dir,
+                                                                         monkeypatch):
+    error, allocated = _gpu_like_engine(tiny_dir, monkeypatch, 600 << 10)
+    assert isinstance(error, MemoryPlanError) and "does not fit" in str(error)
+    assert max(allocated, default=0) <= 1  # init_params' one-page example cache at most

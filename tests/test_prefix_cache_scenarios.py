@@ -1,0 +1,208 @@
+"""Thousands of random schedules over the scheduler and KV cache manager, no JAX: arrivals
+with shared prefixes (system prompts, multi-turn histories, n samples of one prompt, cache
+salts), chunked prefill, preemption, aborts, requests that skip the cache. A simulated
+device writes, per KV slot, what a real one would: the identity of the token's whole prefix.
+After every step and every operation the books are checked:
+
+- every usable page is free xor referenced, and its ref count is the number of page
+  tables holding it;
+- a request reads only K/V of its own prefix (what a cache hit maps in is right), and
+  writes only to pages nobody else holds and that are not cached;
+- a cached page's hash matches the tokens it holds;
+- once every request has ended, no page is referenced.
+"""
+import random
+
+import pytest
+
+from serving.core.page_hash import hash_pages
+from serving.core.request import Request, RequestStatus
+from serving.core.sampling_params import SamplingParams
+from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cdiv
+
+EOS = 0
+
+
+class FakeDevice:
+    """slot -> (extra keys, the token ids up to and including the one at that slot)."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched, self.kv = sched, {}
+
+    def key(self, req: Request, pos: int):
+        return (self.sched.kv_cache_manager.extra_keys(req), tuple(req.all_token_ids[:pos + 1]))
+
+    def run(self, out: SchedulerOutput) -> None:
+        ps, alloc = self.sched.config.page_size, self.sched.allocator
+        for s in out.scheduled:
+            r = s.request
+            for pos in range(s.start):  # what attention reads
+                slot = s.page_ids[pos // ps] * ps + pos % ps
+                assert self.kv.get(slot) == self.key(r, pos), "read K/V of another prefix"
+            for pos in range(s.start, s.start + s.num_new_tokens):  # what it writes
+                page = s.page_ids[pos // ps]
+                assert alloc.ref_count(page) == 1 and alloc.page_hash(page) is None, \
+                    "wrote to a shared or cached page"
+                self.kv[page * ps + pos % ps] = self.key(r, pos)
+
+
+def check_books(sched: Scheduler, device: FakeDevice, order: dict[str, int]) -> None:
+    cfg, alloc, kvm = sched.config, sched.allocator, sched.kv_cache_manager
+    holders = [0] * cfg.num_pages
+    for rid, r in sched.requests.items():
+        pages = kvm.page_ids(rid)
+        assert len(pages) == len(set(pages)) and 0 not in pages
+        for p in pages:
+            holders[p] += 1
+        if r.status is RequestStatus.WAITING:
+            assert (r.num_computed_tokens, pages) == (0, [])
+        else:
+            assert r.status is RequestStatus.RUNNING
+            assert len(pages) == cdiv(r.num_computed_tokens, cfg.page_size)
+            assert r.num_computed_tokens < r.num_tokens < cfg.max_model_len
+    for p in range(1, cfg.num_pages):
+        assert alloc.ref_count(p) == holders[p]
+        assert alloc.is_free(p) == (holders[p] == 0)
+        h = alloc.page_hash(p)
+        if h is not None:  # cached: the hash names exactly the tokens the page holds
+            assert alloc.lookup(h) == p
+            slots = [device.kv.get(p * cfg.page_size + i) for i in range(cfg.page_size)]
+            keys, prefix = slots[-1]
+            assert all(s[0] == keys and s[1] == prefix[:len(s[1])] for s in slots)
+            assert len(prefix) % cfg.page_size == 0
+            assert hash_pages(list(prefix), cfg.page_size, keys)[-1] == h
+    assert alloc.num_free_pages + alloc.num_used_pages == alloc.num_usable_pages
+    assert len(sched.running) <= cfg.max_num_seqs
+    everyone = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
+    assert sorted(everyone, key=order.get) == everyone  # running, then waiting, by arrival
+    assert set(everyone) == set(sched.requests)
+
+
+def check_plan(sched: Scheduler, out: SchedulerOutput, was_waiting: set[str]) -> None:
+    cfg = sched.config
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
+    for s in out.scheduled:
+        r, end = s.request, s.start + s.num_new_tokens
+        assert s.num_new_tokens >= 1 and s.start == r.num_computed_tokens
+        assert s.token_ids == r.all_token_ids[s.start:end]
+        assert s.samples == (end == r.num_tokens)
+        assert s.page_ids == sched.page_ids(r.request_id)
+        assert len(s.page_ids) == cdiv(end, cfg.page_size)
+        if r.request_id in was_waiting:  # admitted now: a hit is whole pages, never all
+            assert s.start % cfg.page_size == 0 and s.start < r.num_tokens
+            if r.sampling_params.prompt_logprobs is not None or not cfg.enable_prefix_caching:
+                assert s.start == 0
+    for r in out.preempted:
+        assert r in sched.waiting and r not in [s.request for s in out.scheduled]
+
+
+class Workload:
+    """Prompts that share prefixes the way chat traffic does."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.system = [[rng.randrange(3, 50) for _ in range(rng.randint(4, 20))]
+                       for _ in range(3)]
+        self.histories: list[list[int]] = []
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, 50) for _ in range(n)]
+
+    def prompt(self) -> list[int]:
+        rng, kind = self.rng, self.rng.random()
+        if kind < 0.35 and self.histories:  # the next turn of a conversation
+            prompt = rng.choice(self.histories) + self.tokens(rng.randint(1, 6))
+        elif kind < 0.8:  # a shared system prompt
+            prompt = rng.choice(self.system) + self.tokens(rng.randint(1, 12))
+        else:
+            prompt = self.tokens(rng.randint(1, 30))
+        return prompt[:rng.randint(30, 40)]
+
+    def finished(self, req: Request) -> None:
+        if len(self.histories) > 20:
+            self.histories.pop(self.rng.randrange(len(self.histories)))
+        self.histories.append(req.all_token_ids)
+
+
+def run_scenario(seed: int, num_ops: int) -> Scheduler:
+    rng = random.Random(seed)
+    page_size = rng.choice([1, 2, 4, 8])
+    cfg = SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]),
+                          max_num_batched_tokens=rng.choice([8, 16, 40]), max_model_len=48,
+                          page_size=page_size,
+                          num_pages=1 + rng.choice([48, 64, 128]) // page_size,
+                          long_prefill_token_threshold=rng.choice([0, 0, 5]),
+                          enable_prefix_caching=seed % 4 != 3, model_key=f"model-{seed}")
+    sched, work = Scheduler(cfg), Workload(rng)
+    device = FakeDevice(sched)
+    order, expected = {}, {}
+    stats = dict(finished=0)
+
+    def add(rid: str, prompt: list[int], params: SamplingParams) -> None:
+        req = Request(rid, prompt, params, eos_token_ids=frozenset({EOS}))
+        sched.add_request(req)
+        order[rid], expected[rid] = len(order), []
+
+    def random_step() -> None:
+        was_waiting = {r.request_id for r in sched.waiting}
+        out = sched.schedule()
+        check_plan(sched, out, was_waiting)
+        device.run(out)
+        sampled = [rng.randrange(50) if s.samples else None for s in out.scheduled]
+        if out.scheduled and rng.random() < 0.05:  # an abort between dispatch and update
+            sched.abort(rng.choice(out.scheduled).request.request_id)
+        live = {id(s.request) for s in out.scheduled if not s.request.is_finished}
+        changed = sched.update(out, sampled)
+        for s, tok in zip(out.scheduled, sampled):
+            if s.samples and id(s.request) in live:
+                expected[s.request.request_id].append(tok)
+        for r in changed:
+            assert r.output_token_ids == expected[r.request_id]
+            if r.is_finished:
+                assert sched.page_ids(r.request_id) == []
+                work.finished(r)
+                stats["finished"] += 1
+        check_books(sched, device, order)
+
+    for i in range(num_ops):
+        op = rng.random()
+        if op < 0.22:
+            params = dict(max_tokens=rng.choice([None, 1, 5, 20]),
+                          stop_token_ids=rng.choice([[], [1]]), ignore_eos=rng.random() < 0.2,
+                          cache_salt=rng.choice([None, None, None, "tenant-a", "tenant-b"]),
+                          prompt_logprobs=1 if rng.random() < 0.05 else None)
+            prompt = work.prompt()
+            n = rng.choice([1, 1, 1, 1, 2, 3])  # n samples: requests that share a prompt
+            for j in range(n):
+                add(f"r{i}-{j}", prompt, SamplingParams(**params))
+            check_books(sched, device, order)
+        elif op < 0.27 and sched.requests:
+            sched.abort(rng.choice(sorted(sched.requests)))
+            check_books(sched, device, order)
+        else:
+            random_step()
+
+    for _ in range(20_000):  # every request finishes: no livelock
+        if not sched.has_unfinished:
+            break
+        random_step()
+    assert not sched.has_unfinished and sched.requests == {}
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert all(sched.allocator.ref_count(p) == 0 for p in range(cfg.num_pages))
+    assert stats["finished"] > 100
+    return sched
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_schedules_keep_the_books_straight(seed):
+    sched = run_scenario(seed, 2000)
+    kvm = sched.kv_cache_manager
+    assert sched.num_preemptions_total > 0 or seed % 2  # the small caches preempt
+    if sched.config.enable_prefix_caching:
+        assert 0 < kvm.prefix_cache_hits < kvm.prefix_cache_queries
+        assert sched.allocator.num_cached_pages > 0
+    else:
+        assert kvm.prefix_cache_hits == kvm.prefix_cache_queries == 0
+        assert sched.allocator.num_cached_pages == 0
