@@ -48,7 +48,8 @@ _ROOT = Path(__file__).resolve().parents[2]
 # The sources a step program is traced from (the step's input shapes and layout are part of
 # each key, so input_prep and the scheduler are not).
 _CODE = ("model", "pallas_kernels", "quant", "serving/engine/runner.py",
-         "serving/engine/sampler.py", "serving/engine/executable_cache.py")
+         "serving/engine/sampler.py", "serving/engine/prompt_logprobs.py",
+         "serving/engine/executable_cache.py")
 
 
 @functools.cache
