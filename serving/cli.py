@@ -248,7 +248,7 @@ def warmup_summary(engine) -> str:
     r = engine.warmup_report
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in engine.timings.items())
     where = engine.executable_dir or "no folder (not saved)"
-    return (f"{r.programs} step programs ({r.loaded} loaded, {r.compiled} compiled); "
+    return (f"{r.programs} programs ({r.loaded} loaded, {r.compiled} compiled); "
             f"{phases}; compiled programs in {where}")
 
 
