@@ -24,6 +24,10 @@ from pallas_kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_pages import ragged_paged_attention_pages
 
 BACKENDS = ATTENTION_BACKENDS
+# Backends whose kernel reads only the pages a token can see: a page table wider than the
+# step needs costs them nothing, so the engine compiles one width (the widest) for them.
+# "reference" and "blocked" gather every page of the table.
+FIXED_PAGE_TABLE = ("cpu", "pallas")
 
 # None: interpret the Pallas kernels unless the default backend is a GPU. Tests that
 # cross-lower for CUDA on a CPU host set it to False.

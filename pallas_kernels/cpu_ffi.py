@@ -32,7 +32,7 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 KERNELS = ("q8_matmul", "paged_attention", "argmax")
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -44,7 +44,7 @@ def _cpu_signature() -> str:
 def _cpu_supported() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    flags = _cpu_signature()
+    flags = cpu_signature()
     return " avx2" in flags and " fma" in flags
 
 
@@ -57,7 +57,7 @@ def _library_path(compiler: str, source: Path) -> Path:
     h = hashlib.sha256()
     for src in [source, *sorted(SOURCE_DIR.glob("*.h"))]:
         h.update(src.name.encode() + src.read_bytes())
-    h.update(" ".join([compiler, *FLAGS, jaxlib.__version__, _cpu_signature()]).encode())
+    h.update(" ".join([compiler, *FLAGS, jaxlib.__version__, cpu_signature()]).encode())
     return cache_dir() / f"{source.stem}_{h.hexdigest()[:16]}.so"
 
 
@@ -79,6 +79,9 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+_registered: set[str] = set()
+
+
 @functools.cache
 def _load(kernel: str) -> bool:
     if kernel not in KERNELS:
@@ -93,6 +96,7 @@ def _load(kernel: str) -> bool:
     lib = ctypes.cdll.LoadLibrary(str(path))
     name = f"xlaserve_{kernel}"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    _registered.add(kernel)
     return True
 
 
@@ -101,3 +105,10 @@ def available(kernel: str) -> bool:
     registered as the FFI target `xlaserve_<kernel>`. A build that fails raises: a broken
     kernel must not pass for a missing compiler."""
     return _load(kernel)
+
+
+
+def loaded_kernels() -> tuple[str, ...]:
+    """The kernels registered as FFI targets so far in this process: a program compiled now
+    may call any of them, so a saved copy of it needs them registered before it loads."""
+    return tuple(k for k in KERNELS if k in _registered)

@@ -101,7 +101,7 @@ def bench_device(vocab: int, rows: list[int], repeats: int, args_random: bool) -
         rng = np.random.default_rng(0)
         logits = jnp.asarray(rng.normal(size=(R, vocab)).astype(np.float32))
         mask = jnp.asarray(rng.integers(-2**31, 2**31 - 1, size=(R, W), dtype=np.int32))
-        greedy = padding_step((R, R, 1), 16).sampling  # a greedy step's sampling arrays
+        greedy = padding_step((R, R, 1)).sampling  # a greedy step's sampling arrays
         if args_random:
             greedy.update(temperature=np.full(R, 0.8, np.float32), any_random=np.bool_(True))
         s_none = SamplingInputs(**{**greedy, "any_masked": np.bool_(False)})

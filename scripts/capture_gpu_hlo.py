@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from quant.hlo import SCHEMES, classify  # noqa: E402
 from quant.ops import matmul  # noqa: E402
@@ -84,8 +85,9 @@ def step_peaks(device, backend: str) -> None:
     from model.runtime_params import prepare_params
     from model.transformer import abstract_params
     from serving.core.buckets import Buckets
-    from serving.engine.input_prep import all_step_shapes, padding_step
+    from serving.engine.input_prep import all_step_shapes, history_shape, padding_step
     from serving.engine.runner import _pack, _step
+    from serving.engine.sampler import NUM_TOP_LOGPROBS
     attention.PALLAS_INTERPRET = False
     sharding = jax.sharding.SingleDeviceSharding(device)
     put = lambda tree: jax.tree.map(  # noqa: E731
@@ -99,12 +101,16 @@ def step_peaks(device, backend: str) -> None:
     # an 8k context, and bench_decode's batch-256 engine.
     for seqs, tokens, max_len in ((64, 512, 131072), (64, 512, 8192), (256, 4096, 1024)):
         shape = max(all_step_shapes(Buckets.derive(seqs, tokens, max_len, 16), seqs))
-        buffers, layout = _pack(padding_step(shape, 16))
+        buffers, layout = _pack(padding_step(shape))
+        history = np.full(history_shape(shape, 16), -1, np.int32)
+        bitmask = np.full((shape[1], (cfg.vocab_size + 31) // 32), -1, np.int32)
         started = time.perf_counter()
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
                                                                       abstract_device=kind)):
-            compiled = jax.jit(partial(_step, cfg=cfg, backend=backend, layout=layout),
-                               donate_argnums=(1,)).lower(params, cache, put(buffers)).compile()
+            step = partial(_step, cfg=cfg, backend=backend, layout=layout,
+                           num_top=NUM_TOP_LOGPROBS, vocab_size=cfg.vocab_size)
+            compiled = jax.jit(step, donate_argnums=(1,)).lower(
+                params, cache, put(buffers), put(history), put(bitmask)).compile()
         m = compiled.memory_analysis()
         print(f"8B step {shape} ({backend}): temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB, "
               f"compiled in {time.perf_counter() - started:.0f} s", flush=True)

@@ -1,6 +1,4 @@
-"""Buckets: derived defaults, padding, overrides, and which shapes warm-up must compile."""
-import itertools
-
+"""Buckets: derived defaults, padding, overrides, the fixed page-table width."""
 import pytest
 
 from serving.core.buckets import Buckets
@@ -51,31 +49,19 @@ def test_overrides_are_used_and_checked():
         Buckets.derive(0, 256, 512, 16)
 
 
-def _reachable(b, max_seqs, max_tokens, max_pages, page_size):
-    """Brute force: pad every feasible (tokens, requests, widest page table) step."""
-    shapes = set()
-    for t, r in itertools.product(range(1, max_tokens + 1), range(1, max_seqs + 1)):
-        if r > t:
-            continue
-        widest_min = -(-(-(-t // r)) // page_size)  # the request with the most new tokens
-        for w in range(widest_min, max_pages + 1):
-            shapes.add((b.pad_tokens(t), b.pad_requests(r), b.pad_pages(w)))
-    return shapes
+def test_token_buckets_may_start_higher():
+    b = Buckets.derive(64, 512, 2048, 16, min_tokens=16)
+    assert b.tokens == (16, 32, 64, 128, 256, 512)
+    assert b.pad_tokens(1) == 16
+    assert Buckets.derive(4, 8, 64, 16, min_tokens=16).tokens == (8,)  # budget below it
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(tokens=[3, 10, 40], requests=[6, 12]),
-                                       dict(tokens=[40], requests=[1, 5, 12], pages=[2, 9])])
-def test_all_shapes_is_exactly_the_reachable_set(overrides):
-    b = Buckets.derive(max_num_seqs=12, max_num_batched_tokens=40, max_model_len=70,
-                       page_size=8, **overrides)
-    shapes = list(b.all_shapes())
-    assert len(shapes) == len(set(shapes)) == len(b)
-    assert set(shapes) == _reachable(b, 12, 40, 9, 8)
-
-
-def test_all_shapes_without_page_size_keeps_every_page_bucket():
-    # (8, 16): two requests in 8 tokens pad to the 16-request bucket, so it must be compiled.
-    b = Buckets(tokens=(8, 16), requests=(1, 16, 32), pages=(1, 4))
-    assert list(b.all_shapes()) == [(8, 1, 1), (8, 1, 4), (8, 16, 1), (8, 16, 4),
-                                    (16, 1, 1), (16, 1, 4), (16, 16, 1), (16, 16, 4)]
-    assert len(b) == 8
+def test_fixed_pages_is_one_width_the_widest():
+    b = Buckets.derive(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
+                       page_size=16, fixed_pages=True)
+    assert b.pages == (128,)
+    assert [b.pad_pages(n) for n in (1, 7, 128)] == [128, 128, 128]
+    odd = Buckets.derive(4, 64, 100, 8, fixed_pages=True)
+    assert odd.pages == (13,)  # ceil(100 / 8)
+    # An explicit override still wins.
+    assert Buckets.derive(4, 64, 100, 8, pages=(4, 13), fixed_pages=True).pages == (4, 13)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from serving.core.buckets import Buckets
-from serving.engine.input_prep import SINK_SLOT, all_step_shapes, padding_step, prepare, step_shape
+from serving.engine.input_prep import (SINK_SLOT, all_step_shapes, history_shape, padding_step,
+                                      prepare, step_shape)
 from serving.core.request import Request
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -72,9 +73,9 @@ def test_mixed_step_sampling_arrays():
     assert s["num_prompt"].tolist() == [10, 5, 9] + [0] * 5
     np.testing.assert_allclose(s["repetition_penalty"], [1, 1, 1.2] + [1] * 5)
     # Only c is penalised: its history is prompt + outputs, -1 padded to pages x page size.
-    assert s["history"].shape == (R, S)
-    assert s["history"][2].tolist() == list(range(200, 209)) + [-1] * (S - 9)
-    assert (s["history"][[0, 1, 3]] == -1).all()
+    assert arr.history.shape == (R, S) == history_shape(arr.shape, PAGE)
+    assert arr.history[2].tolist() == list(range(200, 209)) + [-1] * (S - 9)
+    assert (arr.history[[0, 1, 3]] == -1).all()
     assert s["bias_ids"][2, 0] == 11 and s["bias_values"][2, 0] == 3.0
     assert (s["bias_ids"][[0, 1]] == -1).all()
     assert bool(s["any_penalty"]) and bool(s["any_bias"]) and bool(s["any_logprobs"])
@@ -92,7 +93,8 @@ def test_plain_greedy_step_sends_placeholders_of_the_same_shape():
     arr = prepare(plain, BUCKETS, PAGE, MAX_SEQS)
     assert arr.shape == (8, 8, 4)
     s = arr.sampling
-    assert (s["history"] == -1).all() and (s["bias_ids"] == -1).all()
+    assert arr.history is None  # the runner's device-resident -1 array stands in
+    assert (s["bias_ids"] == -1).all()
     assert not any(bool(s[k]) for k in ("any_penalty", "any_bias", "any_filter", "any_random",
                                         "any_logprobs"))
     assert not arr.wants_logprobs
@@ -107,7 +109,7 @@ def test_plain_greedy_step_sends_placeholders_of_the_same_shape():
 def test_padding_step_matches_real_steps_and_writes_only_the_sink():
     for step in (mixed_step(), SchedulerOutput([scheduled([1, 2, 3], [4], 3, 1, [6])])):
         real = prepare(step, BUCKETS, PAGE, MAX_SEQS)
-        pad = padding_step(real.shape, PAGE)
+        pad = padding_step(real.shape)
         assert pad.shape == real.shape
         assert signature(pad) == signature(real)
         assert (pad.batch["slot_mapping"] == SINK_SLOT).all()

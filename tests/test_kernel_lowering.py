@@ -56,7 +56,7 @@ def kernel_configs(heads, kv_heads, head_dim, engine):
     """Each distinct tile configuration of the engine's step shapes, with the largest shape
     (tokens, then pages) that uses it."""
     max_num_seqs, max_tokens, max_len, page_size = engine
-    buckets = Buckets.derive(max_num_seqs, max_tokens, max_len, page_size)
+    buckets = Buckets.derive(max_num_seqs, max_tokens, max_len, page_size, fixed_pages=True)
     by_sizes: dict = {}
     for T, R, P in all_step_shapes(buckets, max_num_seqs):
         sizes = block_sizes_for((T, heads, head_dim), kv_heads, (R, P), page_size,

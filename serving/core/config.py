@@ -39,7 +39,9 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
-    compilation_cache_dir: str | None = field(  # None or "": no persistent cache
+    # None or "": no persistent cache; else compiled step programs are saved under
+    # <this>/executables (serving/engine/executable_cache.py)
+    compilation_cache_dir: str | None = field(
         default_factory=lambda: str(default_cache_root() / "jax-cache"))
     seed: int = 0  # draws the seeds of requests that bring none
     max_logprobs: int = 20  # cap on logprobs and prompt_logprobs per token (vLLM's name)

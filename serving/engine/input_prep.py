@@ -28,6 +28,10 @@ class StepArrays:
     # prompt logprobs (serving.engine.prompt_logprobs); else None
     prompt_targets: np.ndarray | None = None
     bitmask: np.ndarray | None = None  # i32[R, W] allowed tokens; None: no row constrained
+    # i32[R, P * page_size] prompt + output tokens of penalised rows, -1 padded; None when no
+    # row is penalised: the runner then passes a -1 array it keeps on the device, so an
+    # unpenalised step never sends R x max_model_len entries.
+    history: np.ndarray | None = None
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -69,28 +73,36 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
         t += n
     batch = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
                  req_indices=req_indices, page_table=page_table, logits_indices=logits_indices)
-    sampling = _sampling_arrays(out, R, P * page_size)
+    sampling = _sampling_arrays(out, R)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
+    history = (_history(sched, *history_shape((T, R, P), page_size))
+               if sampling["any_penalty"] else None)
     targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
     bitmask = step_bitmask(sched, R, bitmask_width) if bitmask_width else None
     sampling["any_masked"] = np.bool_(bitmask is not None)
-    return StepArrays((T, R, P), batch, sampling, wants, targets, bitmask)
+    return StepArrays((T, R, P), batch, sampling, wants, prompt_targets=targets,
+                      history=history, bitmask=bitmask)
 
 
-def padding_step(shape: tuple[int, int, int], page_size: int) -> StepArrays:
+def padding_step(shape: tuple[int, int, int]) -> StepArrays:
     """A step of the given shape made only of padding (for compiling it)."""
     T, R, P = shape
     batch = dict(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
                  logits_indices=np.zeros(R, np.int32))
-    sampling = _sampling_arrays(SchedulerOutput(), R, P * page_size)
+    sampling = _sampling_arrays(SchedulerOutput(), R)
     sampling["any_masked"] = np.bool_(False)
     return StepArrays(shape, batch, sampling, False)
 
 
-def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarray]:
-    """S: history length (pages per request x page size)."""
+def history_shape(shape: tuple[int, int, int], page_size: int) -> tuple[int, int]:
+    """(R, S): S = pages per request x page size covers the longest request."""
+    _, R, P = shape
+    return R, P * page_size
+
+
+def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
     sched = out.scheduled
     params = [s.request.sampling_params for s in sched]
     pad = R - len(sched)
@@ -112,9 +124,8 @@ def _sampling_arrays(out: SchedulerOutput, R: int, S: int) -> dict[str, np.ndarr
     )
     any_penalty = any(p.uses_penalties for p in params)
     any_bias = any(p.logit_bias for p in params)
-    # Only penalised or biased steps pay for these arrays; others send tiny placeholders
-    # of a fixed shape so the program does not change.
-    arrays["history"] = _history(sched, R, S) if any_penalty else _placeholder((R, S))
+    # Only biased steps pay for these arrays; others send placeholders of a fixed shape so
+    # the program does not change.
     arrays["bias_ids"], arrays["bias_values"] = (
         _bias(params, R) if any_bias else (_placeholder((R, MAX_LOGIT_BIAS)),
                                            np.zeros((R, MAX_LOGIT_BIAS), np.float32)))

@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
 from serving.core.request_checks import check_logprobs, check_request_token_ids
-from serving.engine.runner import ModelRunner, StepResult, enable_compilation_cache, gpu_memory_limit
+from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
+                                   disable_jax_compilation_cache, gpu_memory_limit)
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -62,7 +64,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
         memory_plan.configure_xla_allocator_if_unstarted(ec.gpu_memory_utilization)
-        enable_compilation_cache(ec.compilation_cache_dir)
+        disable_jax_compilation_cache()
         self.attention_backend = resolve_backend(ec.attention_backend)
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
@@ -74,7 +76,9 @@ class LLMEngine:
         self.model_dir = sizing.resolve_model_dir(ec.model)
         on_gpu = jax.default_backend() == "gpu"
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
+        started = time.perf_counter()
         self.cfg, params = _load_weights(self.model_dir, ec, dtype)
+        self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
@@ -86,10 +90,13 @@ class LLMEngine:
         page_bytes = bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
         # The stored tree is consumed here: the device holds the weights once before the
         # KV cache is sized and allocated.
+        self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
+                               if ec.compilation_cache_dir else None)
         self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
-                                  max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size)
+                                  max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size,
+                                  executable_dir=self.executable_dir)
         del params
         self.memory_plan = None
         limit = gpu_memory_limit()
@@ -102,7 +109,8 @@ class LLMEngine:
         else:
             self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
             self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len)
-        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens)
+        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
+                                      self.attention_backend)
         self.kv_cache_bytes = self.num_pages * page_bytes
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
@@ -114,6 +122,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
+        self.warmup_report: WarmupReport | None = None
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
         self._grammar_compiler: structured.GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -137,14 +146,25 @@ class LLMEngine:
 
     def _activation_peak(self, max_len: int) -> int:
         """Temporaries of the largest step program at this context length."""
-        b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens)
+        b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens,
+                           self.attention_backend)
         largest = max(all_step_shapes(b, self.config.max_num_seqs))
-        return self.runner.activation_peak_bytes(padding_step(largest, self.config.page_size))
+        return self.runner.activation_peak_bytes(padding_step(largest))
 
-    def warmup(self) -> list[float]:
-        """Compiles every step shape; returns the seconds each took."""
-        return self.runner.warmup([padding_step(s, self.config.page_size)
-                                   for s in self.step_shapes], self.config.progress)
+    def warmup(self) -> WarmupReport:
+        """Loads or compiles every program, then runs one step (its first run allocates
+        what later steps reuse, and a program that cannot run fails here, before /health
+        says 200). Records the phases in `timings`."""
+        report = self.runner.warmup([padding_step(s) for s in self.step_shapes],
+                                    self.config.progress)
+        self.warmup_report = report
+        self.timings["compile/load"] = report.wall
+        started = time.perf_counter()
+        self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0])))
+        self.timings["first step"] = time.perf_counter() - started
+        log.info("warm-up phases: %s", ", ".join(f"{k} {v:.1f} s"
+                                                 for k, v in self.timings.items()))
+        return report
 
     def describe(self) -> str:
         b = self.buckets

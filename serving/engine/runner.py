@@ -18,7 +18,8 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
 from model.transformer import compute_logits, forward_hidden
-from serving.engine.input_prep import StepArrays
+from serving.engine.executable_cache import ExecutableCache, avals_signature
+from serving.engine.input_prep import StepArrays, history_shape
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
                                             prompt_logprobs)
 from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample
@@ -26,10 +27,11 @@ from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInput
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, bitmask, *, layout, cfg: ModelConfig, backend: str,
+def _step(params, cache, buffers, history, bitmask, *, layout, cfg: ModelConfig, backend: str,
           num_top: int, vocab_size: int):
     """-> (sampled tokens, the tokens' hidden states in blocks for prompt logprobs, cache)."""
     batch, sampling = _unpack(buffers, layout)
+    sampling["history"] = history
     batch = Batch(**batch)
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
     # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
@@ -69,6 +71,21 @@ def _unpack(buffers, layout):
 
 
 @dataclass
+class WarmupReport:
+    seconds: list[float]  # per program, loading or compiling it
+    loaded: int = 0  # from the executable cache; the rest were compiled
+    wall: float = 0.0
+
+    @property
+    def programs(self) -> int:
+        return len(self.seconds)
+
+    @property
+    def compiled(self) -> int:
+        return self.programs - self.loaded
+
+
+@dataclass
 class StepResult:
     tokens: np.ndarray  # i32[R]
     logprob: np.ndarray | None = None  # f32[R]
@@ -87,11 +104,12 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
                  free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, executable_dir: str | None = None):
         self.cfg = cfg
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
         self.vocab_size = vocab_size or cfg.vocab_size
+        self.max_logprobs = max_logprobs
         self.bitmask_width = (self.vocab_size + 31) // 32
         self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
         self.params = prepare_params(params, free_stacked=free_stacked)
@@ -99,6 +117,9 @@ class ModelRunner:
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
         self.backend = attention_backend
+        self._no_history: dict[tuple[int, int], jax.Array] = {}  # (R, S) -> all -1, on device
+        self._executable_dir = executable_dir
+        self._executables: ExecutableCache | None = None
         self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
                                        num_top=max_logprobs, vocab_size=self.vocab_size),
                                donate_argnums=(1,), static_argnames=("layout",))
@@ -117,7 +138,8 @@ class ModelRunner:
         buffers, layout = _pack(example)
         cache = jax.eval_shape(lambda: KVCache.zeros(self.cfg, 2, self.page_size,
                                                      self.kv_cache_dtype))
-        compiled = self._jitted.lower(self.params, cache, buffers, self._bitmask(example),
+        compiled = self._jitted.lower(self.params, cache, buffers, self._history(example),
+                                      self._bitmask(example),
                                       layout=layout).compile()
         stats = compiled.memory_analysis()
         if stats is None:
@@ -130,44 +152,77 @@ class ModelRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def compile(self, shape: tuple[int, int, int], example: StepArrays) -> float:
-        """Compiles (or loads from the persistent cache) the program of one bucket shape."""
+    @property
+    def executables(self) -> ExecutableCache | None:
+        """The executable cache, keyed on the KV cache too, so made once that exists."""
+        if self._executables is None and self._executable_dir and self.cache is not None:
+            self._executables = ExecutableCache(self._executable_dir, dict(
+                model=repr(self.cfg), params=avals_signature(self.params),
+                cache=avals_signature(self.cache), backend=self.backend,
+                page_size=self.page_size, max_logprobs=self.max_logprobs,
+                vocab_size=self.vocab_size))
+        return self._executables
+
+    def _load_or_compile(self, lower, args, shape, layout) -> tuple[object, bool]:
+        """lower: () -> the program lowered for `args`, called on a cache miss only."""
+        program = self.executables and self.executables.load(shape, layout, args)
+        if program is not None:
+            return program, True
+        program = lower().compile()
+        if self.executables:
+            self.executables.save(shape, layout, program)
+        return program, False
+
+    def compile(self, shape: tuple[int, int, int], example: StepArrays) -> tuple[float, bool]:
+        """Loads the program of one bucket shape from the executable cache, or traces,
+        lowers and compiles it (and saves it there). Returns (seconds, loaded)."""
         started = time.perf_counter()
         buffers, layout = _pack(example)
-        self._compiled[shape] = (self._jitted.lower(
-            self.params, self.cache, buffers, self._bitmask(example), layout=layout).compile(),
-            layout)
-        return time.perf_counter() - started
+        args = (self.params, self.cache, buffers, self._history(example),
+                self._bitmask(example))
+        program, loaded = self._load_or_compile(
+            lambda: self._jitted.lower(*args, layout=layout), args, shape, layout)
+        self._compiled[shape] = (program, layout)
+        return time.perf_counter() - started, loaded
 
-    def compile_prompt_logprobs(self) -> float:
+    def compile_prompt_logprobs(self) -> tuple[float, bool]:
         started = time.perf_counter()
         hidden = jax.ShapeDtypeStruct((BLOCK_ROWS, self.cfg.hidden_size), self.cfg.dtype)
         targets = jax.ShapeDtypeStruct((BLOCK_ROWS,), np.int32)
-        self._prompt_program = self._prompt_jitted.lower(self.params, hidden, targets).compile()
-        return time.perf_counter() - started
+        args = (self.params, hidden, targets)
+        self._prompt_program, loaded = self._load_or_compile(
+            lambda: self._prompt_jitted.lower(*args), args, ("prompt_logprobs", BLOCK_ROWS),
+            "prompt")
+        return time.perf_counter() - started, loaded
 
     def warmup(self, examples: list[StepArrays], progress: bool = True,
-               workers: int | None = None) -> list[float]:
-        """Compiles every shape before serving, `workers` programs at a time (default: one per
-        CPU core; XLA compiles a program on one thread), and the prompt-logprobs program.
-        Returns the seconds each step program took."""
+               workers: int | None = None) -> WarmupReport:
+        """Loads or compiles every step shape before serving, `workers` at a time (default:
+        one per CPU core; XLA compiles a program on one thread), then the prompt-logprobs
+        program (counted with the others)."""
         workers = workers or os.cpu_count() or 1
         started = time.perf_counter()
-        prompt_s = self.compile_prompt_logprobs()
-        seconds = [0.0] * len(examples)
+        report = WarmupReport(seconds=[0.0] * len(examples))
         bar = tqdm(total=len(examples), desc="warm-up", unit="program", disable=not progress)
         with ThreadPoolExecutor(workers, thread_name_prefix="xlaserve-compile") as pool:
             futures = {pool.submit(self.compile, ex.shape, ex): i for i, ex in enumerate(examples)}
             for done in as_completed(futures):
                 i, shape = futures[done], examples[futures[done]].shape
-                seconds[i] = done.result()
+                report.seconds[i], loaded = done.result()
+                report.loaded += loaded
                 bar.update()
-                bar.set_postfix_str(f"T={shape[0]} R={shape[1]} P={shape[2]} {seconds[i]:.1f}s")
+                bar.set_postfix_str(f"T={shape[0]} R={shape[1]} P={shape[2]} "
+                                    f"{report.seconds[i]:.1f}s")
         bar.close()
-        log.info("compiled %d step programs and the prompt-logprobs one (%.1f s) in %.1f s "
-                 "(%d at a time)", len(examples), prompt_s, time.perf_counter() - started,
-                 workers)
-        return seconds
+        prompt_s, loaded = self.compile_prompt_logprobs()
+        report.seconds.append(prompt_s)
+        report.loaded += loaded
+        report.wall = time.perf_counter() - started
+        log.info("warm-up: %d programs (%d step shapes and the prompt-logprobs one), %d "
+                 "loaded, %d compiled, in %.1f s (%d at a time); compiled programs in %s",
+                 report.programs, len(examples), report.loaded, report.compiled, report.wall,
+                 workers, self.executables.root if self.executables else "no folder")
+        return report
 
     def dispatch(self, arrays: StepArrays):
         """Launches one step without waiting for it; returns a handle for `fetch`."""
@@ -179,7 +234,7 @@ class ModelRunner:
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
         out, blocks, self.cache = program(self.params, self.cache, jax.device_put(buffers),
-                                          self._bitmask(arrays))
+                                          self._history(arrays), self._bitmask(arrays))
         out.tokens.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
@@ -188,6 +243,14 @@ class ModelRunner:
         if arrays.prompt_targets is not None:
             prompt = (len(arrays.prompt_targets), self._score_prompt(blocks, arrays.prompt_targets))
         return out, arrays.wants_logprobs, prompt
+
+    def _history(self, arrays: StepArrays) -> jax.Array:
+        if arrays.history is not None:
+            return jax.device_put(arrays.history)
+        shape = history_shape(arrays.shape, self.page_size)
+        if shape not in self._no_history:
+            self._no_history[shape] = jax.device_put(np.full(shape, -1, np.int32))
+        return self._no_history[shape]
 
     def _score_prompt(self, blocks, targets: np.ndarray) -> list[tuple[int, PromptOutput]]:
         """Launches the prompt-logprobs program on each block with a row that asks.
@@ -242,16 +305,10 @@ class ModelRunner:
                                                     out.top_logprobs)), prompt=prompt)
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache: a restart loads programs instead of compiling.
-    None or "" turns it off."""
-    if not path:
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def disable_jax_compilation_cache() -> None:
+    """The executable cache replaces JAX's persistent cache: that one still traces and lowers
+    every program, and on XLA:CPU a program it hands back fails once serialized again."""
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def device_memory_bytes() -> int | None:

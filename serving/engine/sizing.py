@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+from model.attention import FIXED_PAGE_TABLE
 from model.config import DTYPES, ModelConfig
 from serving.core.buckets import Buckets
 from serving.core.config import EngineConfig, default_cache_root
@@ -61,10 +62,16 @@ def max_model_len(cfg: ModelConfig, requested: int | None, cap: int | None = CPU
     return requested
 
 
-def buckets(ec: EngineConfig, max_len: int, max_batched: int) -> Buckets:
+# The Pallas kernel pads a step to 16 rows anyway (Triton's dot), so smaller token buckets
+# on a GPU would only add programs.
+GPU_MIN_TOKEN_BUCKET = 16
+
+
+def buckets(ec: EngineConfig, max_len: int, max_batched: int, backend: str) -> Buckets:
     return Buckets.derive(ec.max_num_seqs, max_batched, max_len, ec.page_size,
                           tokens=ec.token_buckets, requests=ec.request_buckets,
-                          pages=ec.page_buckets)
+                          pages=ec.page_buckets, fixed_pages=backend in FIXED_PAGE_TABLE,
+                          min_tokens=GPU_MIN_TOKEN_BUCKET if backend == "pallas" else 1)
 
 
 def kv_cache_memory(ec: EngineConfig) -> int | None:

@@ -22,6 +22,7 @@ from serving.openai import sse
 from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
                                 read_json)
+from serving.openai.access_log import access_log_middleware, record_tokens
 from serving.openai.metrics import Metrics
 from serving.openai.openapi import openapi_spec
 from serving.core.structured_outputs import StructuredOutputsParams
@@ -33,13 +34,16 @@ from serving.openai.server_state import (STATE, ServerState, check_admission, ch
 def build_app(engine, *, served_model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
               max_prompt_chars: int | None = None, chat_template: str | None = None,
-              tool_call_parser: str | None = None) -> web.Application:
+              tool_call_parser: str | None = None, access_log: bool = True) -> web.Application:
     """Best run with handler_cancellation=True (run_server does), so a client that goes away
     cancels its handler at once; without it, disconnects are noticed at the next write or
     within half a second (sse.cancel_on_disconnect)."""
     quiet_unparsable_requests()
+    # The access log sits outside the error middleware: it logs the status the client got.
+    middlewares = [error_middleware, gate_middleware]
     app = web.Application(client_max_size=max_body_bytes,
-                          middlewares=[error_middleware, gate_middleware])
+                          middlewares=[access_log_middleware, *middlewares] if access_log
+                          else middlewares)
     state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
                         max_queued_requests, max_body_bytes, max_prompt_chars, chat_template,
                         tool_call_parser)
@@ -119,6 +123,7 @@ async def _respond(request: web.Request, state: ServerState, choices: list[sse.C
         raise sse.engine_exception(exc) from exc
     finally:
         await stream_.aclose()  # aborts whatever is still running: client gone, error, ...
+        record_tokens(request, *stream_.token_counts())
 
 
 def _forced_tool_call(params, tools):
@@ -282,7 +287,7 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
                      max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
                      max_prompt_chars: int | None = None, grace_period_s: float = 30.0,
                      stop_event: asyncio.Event | None = None, chat_template: str | None = None,
-                     tool_call_parser: str | None = None) -> int:
+                     tool_call_parser: str | None = None, access_log: bool = True) -> int:
     """Serve until SIGTERM/SIGINT (or stop_event), then drain: stop listening, answer new
     requests on open connections with 503, let in-flight ones finish within grace_period_s
     (a second signal cuts it short), cancel the rest (which aborts their engine requests)
@@ -291,16 +296,18 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
                     max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes,
                     max_prompt_chars=max_prompt_chars, chat_template=chat_template,
-                    tool_call_parser=tool_call_parser)
+                    tool_call_parser=tool_call_parser, access_log=access_log)
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    warming = "" if getattr(engine, "ready", True) else \
+        " (warming up: /health answers 503 until the programs are ready)"
     for address in runner.addresses:
-        print(f"xlaserve: serving '{served_model_name}' on http://{address[0]}:{address[1]}",
-              flush=True)
+        print(f"xlaserve: serving '{served_model_name}' on http://{address[0]}:{address[1]}"
+              f"{warming}", flush=True)
     stop = stop_event or asyncio.Event()
     force = asyncio.Event()  # a second signal: skip the rest of the grace period
     installed = _install_signal_handlers(lambda: (force if stop.is_set() else stop).set())

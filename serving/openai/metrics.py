@@ -124,10 +124,12 @@ class RequestTracker:
         self.arrival = time.monotonic() if arrival is None else arrival
         self.last: float | None = None
         self.done = False
+        self.num_generated = 0  # output tokens so far (the access log reports them)
 
     def on_output(self, num_new_tokens: int) -> None:
         if num_new_tokens <= 0:
             return
+        self.num_generated += num_new_tokens
         now = time.monotonic()
         if self.last is None:
             self.metrics.observe_first_token(now - self.arrival, self.num_prompt_tokens)

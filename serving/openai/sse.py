@@ -83,6 +83,11 @@ class OutputStream:
             raise
         self._open = set(self._choices)
 
+    def token_counts(self) -> tuple[int, int]:
+        """(prompt tokens, output tokens so far) over every choice."""
+        return (sum(t.num_prompt_tokens for t in self._trackers.values()),
+                sum(t.num_generated for t in self._trackers.values()))
+
     async def get(self) -> tuple[Choice, RequestOutput] | None:
         while self._open:
             request_id, item = await self._queue.get()
