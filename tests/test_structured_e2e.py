@@ -150,6 +150,43 @@ def test_forced_tool_call_schemas(live):
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_forced_tool_calls_with_the_openai_client(live, tool_choice):
+    """tool_choice "required" or a named function: the calls' arguments follow the tool's
+    schema, and the streamed deltas assemble to the same calls."""
+    client = live.client()
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice, temperature=0,
+                  max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    schemas = {t["function"]["name"]: t["function"]["parameters"]
+               for t in (WEATHER_TOOL, TIME_TOOL)}
+    calls = whole.message.tool_calls
+    assert calls and all(c.type == "function" and c.id for c in calls)
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in calls] == ["get_weather"]
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    with client.chat.completions.stream(**kwargs) as s:
+        streamed = s.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
