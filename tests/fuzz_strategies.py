@@ -26,6 +26,8 @@ def from_schema(schema: dict, overrides: dict | None = None) -> st.SearchStrateg
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     kind = schema.get("type")
+    if isinstance(kind, list):  # {"type": ["boolean", "null"]}
+        return st.one_of([from_schema({**schema, "type": k}, overrides) for k in kind])
     if kind == "null" or kind is None:
         return st.none()
     if kind == "boolean":
@@ -46,7 +48,7 @@ def from_schema(schema: dict, overrides: dict | None = None) -> st.SearchStrateg
 
 
 def _object(schema: dict, overrides: dict) -> st.SearchStrategy:
-    if "additionalProperties" in schema:  # a map: logit_bias
+    if "propertyNames" in schema:  # a map: logit_bias
         keys = st.from_regex(schema["propertyNames"]["pattern"], fullmatch=True)
         return st.dictionaries(keys, from_schema(schema["additionalProperties"], overrides),
                                max_size=3)

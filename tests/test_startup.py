@@ -33,7 +33,7 @@ def tiny_ckpt(tmp_path_factory, demo_model_dir):
     tiny_hf_model("llama", hf_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(demo_model_dir / name, hf_dir / name)
-    ckpt = hf_dir.parent / "tiny-ckpt"
+    ckpt = hf_dir.with_name(hf_dir.name + "-ckpt")  # beside its own numbered folder
     convert_hf(hf_dir, ckpt, "float32", progress=False)
     return str(ckpt)
 

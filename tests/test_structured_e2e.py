@@ -155,25 +155,21 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
         "required": ["city", "unit"], "additionalProperties": False}}}
-TIME_TOOL = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
-        "additionalProperties": False}}}
 
 
 @pytest.mark.parametrize("tool_choice", [
     {"type": "function", "function": {"name": "get_weather"}}, "required"])
 def test_forced_tool_calls_with_the_openai_client(live, tool_choice):
     """tool_choice "required" or a named function: the calls' arguments follow the tool's
-    schema, and the streamed deltas assemble to the same calls."""
+    schema, and the streamed deltas assemble to the same calls. One tool: the signatures in
+    the system turn take about 200 of this server's 256 tokens of context."""
     client = live.client()
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                  tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice, temperature=0,
-                  max_tokens=120)
+                  tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=0,
+                  max_tokens=50)
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "tool_calls", whole
-    schemas = {t["function"]["name"]: t["function"]["parameters"]
-               for t in (WEATHER_TOOL, TIME_TOOL)}
+    schemas = {WEATHER_TOOL["function"]["name"]: WEATHER_TOOL["function"]["parameters"]}
     calls = whole.message.tool_calls
     assert calls and all(c.type == "function" and c.id for c in calls)
     if isinstance(tool_choice, dict):
