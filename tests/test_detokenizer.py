@@ -247,3 +247,22 @@ def test_held_prefix_released_once_it_diverges(byte_bpe):
     pieces = [detok.add([i])[0] for i in ids]
     assert "".join(pieces) == "the lazy dog"  # nothing of it can still start "lazy cat"
     assert detok.stop_hit is None and detok.flush() == ""
+
+
+def test_min_tokens_holds_stop_strings_off(byte_bpe):
+    """vLLM's rule: a stop string counts only in the text of output tokens after the first
+    min_tokens; the same stop string later still ends the output."""
+    text = "the fox jumps over the fox again"
+    ids = byte_bpe.encode(text, add_special_tokens=False)
+    first_fox = next(k for k in range(1, len(ids) + 1) if "fox" in byte_bpe.decode(ids[:k]))
+    detok = IncrementalDetokenizer(byte_bpe, [], ["fox"])
+    "".join(detok.add([i])[0] for i in ids)
+    assert detok.stop_hit == "fox" and detok.text == "the "
+    detok = IncrementalDetokenizer(byte_bpe, [], ["fox"], min_tokens=first_fox)
+    streamed = "".join(detok.add([i])[0] for i in ids)
+    assert detok.stop_hit == "fox"
+    assert streamed == detok.text == text[:text.index("fox", text.index("fox") + 1)]
+    # min_tokens past every stop: the whole text, flushed at the end.
+    detok = IncrementalDetokenizer(byte_bpe, [], ["fox"], min_tokens=len(ids))
+    streamed = "".join(detok.add([i])[0] for i in ids) + detok.flush()
+    assert detok.stop_hit is None and streamed == text

@@ -261,6 +261,16 @@ def test_min_tokens(live):
     assert held["usage"]["completion_tokens"] >= 20
     assert held["choices"][0]["message"]["content"].startswith(
         short["choices"][0]["message"]["content"][:5])
+    # Stop strings wait for min_tokens too (vLLM): "a" stops at once without it.
+    status, cut = post(live.port, "/v1/chat/completions", {**body, "stop": ["a"]})
+    assert "a" not in cut["choices"][0]["message"]["content"]
+    status, held = post(live.port, "/v1/chat/completions",
+                        {**body, "stop": ["a"], "min_tokens": 20})
+    assert status == 200, held
+    assert held["usage"]["completion_tokens"] >= 20
+    assert held["choices"][0]["message"]["content"].startswith(
+        short["choices"][0]["message"]["content"][:5])
+    assert "a" in held["choices"][0]["message"]["content"]
 
 
 def test_langchain_with_structured_output(live):

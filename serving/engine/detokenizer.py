@@ -8,7 +8,9 @@ context) and `read_offset` where the not-yet-released ids start. The new text is
 the whole window minus the decode of its prefix part.
 
 Stop strings are matched on the released text. Any tail that could still grow into a stop
-string is held back, so a client never sees part of a stop string.
+string is held back, so a client never sees part of a stop string. As in vLLM, `min_tokens`
+holds stop strings off too: they are looked for only in the text of output tokens after the
+first `min_tokens` (the text of those is released as it comes).
 
 Invariant (tested): the concatenation of everything `add()` and `flush()` return equals
 `tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
@@ -23,11 +25,14 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.prompt_token_ids = list(prompt_token_ids)
         self.stop = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self._num_added = 0  # output ids fed so far, special ones included
         self.skip_special_tokens = skip_special_tokens
         self._skip_ids = _special_ids(tokenizer) if skip_special_tokens else frozenset()
         self._fast_decode = _fast_decoder(tokenizer)
@@ -57,6 +62,12 @@ class IncrementalDetokenizer:
         if self.stop_hit is not None:
             return "", None
         self._ids.extend(t for t in token_ids if t not in self._skip_ids)
+        self._num_added += len(token_ids)
+        if self._num_added <= self.min_tokens:  # no stop string yet: release everything
+            new_text = self._decode_new()
+            if new_text:
+                self._emitted.append(new_text)
+            return new_text, None
         return self._release(self._decode_new())
 
     def flush(self) -> str:

@@ -196,7 +196,8 @@ class LLMEngine:
         for i, child in enumerate(parent.children):
             p = child.sampling_params
             detok = self.tokenizer and IncrementalDetokenizer(
-                self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output)
+                self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                min_tokens=p.min_tokens)
             prompt_lps = (None if p.prompt_logprobs is None else
                           PromptLogprobsCollector(child.prompt_token_ids, p.prompt_logprobs))
             self._states[child.request_id] = _State(child, detok, prompt_logprobs=prompt_lps,
