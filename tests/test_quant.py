@@ -276,7 +276,7 @@ def test_kv_bytes_per_page_counts_scales():
 
 def test_dummy_weights_quantize_for_benchmarks(tmp_path):
     from serving.core.config import EngineConfig
-    from serving.engine.llm_engine import _load_weights
+    from serving.engine.model_files import load_weights
     cfg = tiny_cfg(False)
     hf = {"architectures": [cfg.architecture], "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -284,7 +284,7 @@ def test_dummy_weights_quantize_for_benchmarks(tmp_path):
           "num_key_value_heads": cfg.num_kv_heads, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(__import__("json").dumps(hf))
     for spec, scheme in (("int8", "int8 per channel"), ("fp8", "fp8 per tensor")):
-        got_cfg, params = _load_weights(tmp_path, EngineConfig(
+        got_cfg, params = load_weights(tmp_path, EngineConfig(
             model=str(tmp_path), load_format="dummy", quantize=spec))
         assert got_cfg.dtype == "bfloat16"
         assert describe(params).startswith(scheme + ", 7 of")

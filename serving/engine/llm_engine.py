@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -18,15 +17,15 @@ from pathlib import Path
 import jax
 
 from model.attention import resolve_backend
-from model.checkpoint import load_model, param_bytes
-from model.config import KV_CACHE_DTYPES, ModelConfig
-from model.transformer import init_params
+from model.checkpoint import param_bytes
+from model.config import KV_CACHE_DTYPES
 from model.kv_cache import bytes_per_page
-from quant.recipe import Recipe, describe as describe_quantization, quantize_params
+from quant.recipe import Recipe, describe as describe_quantization
 from serving.engine import memory_plan, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
+from serving.engine.model_files import eos_token_ids, load_tokenizer, load_weights, model_key
 from serving.core import grammar as structured
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
@@ -77,7 +76,7 @@ class LLMEngine:
         on_gpu = jax.default_backend() == "gpu"
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
-        self.cfg, params = _load_weights(self.model_dir, ec, dtype)
+        self.cfg, params = load_weights(self.model_dir, ec, dtype)
         self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
@@ -115,7 +114,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
-            model_key=_model_key(self.model_dir, ec)))
+            model_key=model_key(self.model_dir, ec)))
         self.runner.allocate_kv_cache(self.num_pages)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self._states: dict[str, _State] = {}  # by the sample's own request id
@@ -362,47 +361,3 @@ class LLMEngine:
                              new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
                              queue_time=queue_time, prompt_logprobs=prompt_logprobs,
                              index=st.index)
-
-
-def _model_key(model_dir: Path, ec: EngineConfig) -> str:
-    """Names the weights in prefix-cache page hashes: K/V of the same tokens differ under
-    other weights, another dtype or another cache format."""
-    seed = ec.seed if ec.load_format == "dummy" else None
-    return (f"{Path(model_dir).resolve()}|{ec.load_format}|{seed}|{ec.dtype}|{ec.quantize}|"
-            f"{ec.kv_cache_dtype}")
-
-
-def _load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None = None):
-    if ec.load_format == "dummy":
-        cfg = ModelConfig.from_dir(model_dir, dtype)
-        params = init_params(cfg, ec.seed)
-        return cfg, quantize_params(params, ec.quantize) if ec.quantize else params
-    if ec.load_format != "auto":
-        raise ValueError(f"unknown load_format {ec.load_format!r}; choose auto or dummy")
-    return load_model(model_dir, dtype, progress=ec.progress, quantize=ec.quantize)
-
-
-def load_tokenizer(model_dir: Path):
-    """The folder's tokenizer; None for a bare config folder (dummy weights): outputs then
-    carry token ids and no text."""
-    model_dir = Path(model_dir)
-    if (model_dir / "tokenizer.json").is_file():
-        # The fast tokenizer class directly: AutoTokenizer would import torch (seconds).
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    if not any((model_dir / f).is_file() for f in ("tokenizer.model", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    ids = set()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -10,7 +10,8 @@ excludes stream, max_tokens 0 needs echo, the context length) are in the descrip
 from __future__ import annotations
 
 from serving.openai import structured_protocol
-from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K, ROLES
+from serving.openai.chat_messages import ROLES
+from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K
 from serving.openai.tools import MAX_TOOLS
 from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 

@@ -14,7 +14,7 @@ import re
 
 from serving.core.grammar import GrammarRefused
 from serving.core.structured_outputs import StructuredOutputsParams
-from serving.openai import protocol as p
+from serving.openai import fields
 
 SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -55,14 +55,14 @@ def check_extras(body: dict, endpoint: str) -> None:
     for name, off in REFUSED_EXTRAS[endpoint].items():
         value = body.get(name)
         if value is not None and not any(_same(value, v) for v in off):
-            raise p.ProtocolError(f"'{name}' is not supported by this server"
+            raise fields.ProtocolError(f"'{name}' is not supported by this server"
                                   + (f" (only {off[0]!r})" if off else ""),
                                   param=name, code="unsupported_parameter")
 
 
 def sampling_fields(body: dict) -> dict:
     """SamplingParams keyword arguments from this module's fields."""
-    return dict(min_tokens=p._int(body, "min_tokens", 0, 0),
+    return dict(min_tokens=fields.int_field(body, "min_tokens", 0, 0),
                 structured_outputs=structured_outputs(body))
 
 
@@ -82,9 +82,9 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
                                                     body["structural_tag"])))
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend not in BACKENDS:
-        raise p._bad("guided_decoding_backend", f"one of {BACKENDS}", backend)
+        raise fields.bad("guided_decoding_backend", f"one of {BACKENDS}", backend)
     if len(found) > 1:
-        raise p.ProtocolError(f"only one structured output constraint per request; got "
+        raise fields.ProtocolError(f"only one structured output constraint per request; got "
                               f"{', '.join(n for n, _ in found)}", param=found[1][0])
     return found[0][1] if found else None
 
@@ -99,7 +99,7 @@ def _response_format(fmt) -> StructuredOutputsParams | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise p._bad("response_format", "an object with a string 'type'", fmt)
+        raise fields.bad("response_format", "an object with a string 'type'", fmt)
     kind = fmt["type"]
     if kind == "text":
         return None
@@ -108,56 +108,56 @@ def _response_format(fmt) -> StructuredOutputsParams | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
-            raise p._bad("response_format", "with type json_schema, a 'json_schema' object",
+            raise fields.bad("response_format", "with type json_schema, a 'json_schema' object",
                           spec)
         name = spec.get("name")
         if not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
-            raise p._bad("response_format", "a json_schema whose 'name' is 1 to 64 letters, "
+            raise fields.bad("response_format", "a json_schema whose 'name' is 1 to 64 letters, "
                           "digits, '_' or '-'", name)
         for field, types in (("strict", (bool,)), ("description", (str,))):
             if spec.get(field) is not None and not isinstance(spec[field], types):
-                raise p._bad("response_format", f"a json_schema whose '{field}' is a "
+                raise fields.bad("response_format", f"a json_schema whose '{field}' is a "
                               f"{types[0].__name__}", spec[field])
         schema = spec.get("schema")
         if not isinstance(schema, dict):
-            raise p._bad("response_format", "a json_schema with a 'schema' object", schema)
+            raise fields.bad("response_format", "a json_schema with a 'schema' object", schema)
         return StructuredOutputsParams(json=schema)
     if kind == "structural_tag":
         if not (isinstance(fmt.get("structures"), list) and isinstance(fmt.get("triggers"), list)):
-            raise p._bad("response_format", "with type structural_tag, 'structures' and "
+            raise fields.bad("response_format", "with type structural_tag, 'structures' and "
                           "'triggers' lists", fmt)
         return StructuredOutputsParams(structural_tag=json.dumps(
             {"structures": fmt["structures"], "triggers": fmt["triggers"]}))
-    raise p.ProtocolError(f"unknown response_format type {kind!r}; use text, json_object, "
+    raise fields.ProtocolError(f"unknown response_format type {kind!r}; use text, json_object, "
                           "json_schema or structural_tag", param="response_format")
 
 
 def _structured_outputs(value) -> StructuredOutputsParams:
     if not isinstance(value, dict):
-        raise p._bad("structured_outputs", "an object", value)
+        raise fields.bad("structured_outputs", "an object", value)
     unknown = sorted(set(value) - set(KINDS) - set(SO_FLAGS) - set(SO_REFUSED))
     if unknown:
-        raise p.ProtocolError(f"structured_outputs has unknown field(s) {', '.join(unknown)}",
+        raise fields.ProtocolError(f"structured_outputs has unknown field(s) {', '.join(unknown)}",
                               param="structured_outputs")
     for name in SO_FLAGS:
         if value.get(name) is not None and not isinstance(value[name], bool):
-            raise p._bad("structured_outputs", f"{name}: a boolean", value[name])
+            raise fields.bad("structured_outputs", f"{name}: a boolean", value[name])
     for name, off in SO_REFUSED.items():
         v = value.get(name)
         if v is not None and not any(_same(v, o) for o in off):
-            raise p.ProtocolError(f"structured_outputs.{name} is not supported by this "
+            raise fields.ProtocolError(f"structured_outputs.{name} is not supported by this "
                                   "server", param="structured_outputs",
                                   code="unsupported_parameter")
     set_kinds = [k for k in KINDS if value.get(k) is not None
                  and not (k == "json_object" and value[k] is False)]
     if len(set_kinds) != 1:
-        raise p.ProtocolError("structured_outputs needs exactly one of " + ", ".join(KINDS)
+        raise fields.ProtocolError("structured_outputs needs exactly one of " + ", ".join(KINDS)
                               + (f"; got {', '.join(set_kinds)}" if set_kinds else ""),
                               param="structured_outputs")
     kind = set_kinds[0]
     if kind == "json_object":
         if value[kind] is not True:
-            raise p._bad("structured_outputs", "json_object true", value[kind])
+            raise fields.bad("structured_outputs", "json_object true", value[kind])
         return StructuredOutputsParams(json_object=True)
     return _kind_value("structured_outputs", kind, value[kind])
 
@@ -168,28 +168,28 @@ def _kind_value(param: str, kind: str, value) -> StructuredOutputsParams:
             try:
                 value = json.loads(value)
             except ValueError:
-                raise p._bad(param, "a JSON schema (an object, or its JSON text)",
+                raise fields.bad(param, "a JSON schema (an object, or its JSON text)",
                              value) from None
         if not isinstance(value, dict):
-            raise p._bad(param, "a JSON schema (an object, or its JSON text)", value)
+            raise fields.bad(param, "a JSON schema (an object, or its JSON text)", value)
     elif kind == "choice":
         if not (isinstance(value, list) and value
                 and all(isinstance(c, str) and c for c in value)):
-            raise p._bad(param, "a non-empty list of non-empty strings", value)
+            raise fields.bad(param, "a non-empty list of non-empty strings", value)
     elif kind == "structural_tag":
         if isinstance(value, dict):
             value = json.dumps(value)
         if not isinstance(value, str):
-            raise p._bad(param, "a structural tag (an object, or its JSON text)", value)
+            raise fields.bad(param, "a structural tag (an object, or its JSON text)", value)
     elif not (isinstance(value, str) and value):
-        raise p._bad(param, f"a non-empty {kind} string", value)
+        raise fields.bad(param, f"a non-empty {kind} string", value)
     return StructuredOutputsParams(**{kind: value})
 
 
 def with_max_tokens(params, max_tokens: int):
     """params with the effective max_tokens; min_tokens must still fit under it."""
     if params.min_tokens > max_tokens:
-        raise p._bad("min_tokens", f"at most max_tokens ({max_tokens} here)", params.min_tokens)
+        raise fields.bad("min_tokens", f"at most max_tokens ({max_tokens} here)", params.min_tokens)
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 
@@ -201,7 +201,7 @@ async def compile_constraint(engine, params, body: dict, param: str | None = Non
     try:
         await engine.compile_grammar(params.structured_outputs)
     except GrammarRefused as e:
-        raise p.ProtocolError(str(e), param=param or constraint_param(body),
+        raise fields.ProtocolError(str(e), param=param or constraint_param(body),
                               code="invalid_structured_output") from None
 
 
