@@ -71,22 +71,21 @@ def number_field(body: dict, name: str, default=None):
     return float(value)
 
 
-def opt_bool(body: dict, name: str, default: bool = False) -> bool:
+def _optional(body: dict, name: str, kind: type, rule: str, default):
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise bad(name, "a boolean", value)
+    if not isinstance(value, kind):
+        raise bad(name, rule, value)
     return value
+
+
+def opt_bool(body: dict, name: str, default: bool = False) -> bool:
+    return _optional(body, name, bool, "a boolean", default)
 
 
 def opt_str(body: dict, name: str, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad(name, "a string", value)
-    return value
+    return _optional(body, name, str, "a string", default)
 
 
 def unsupported(param: str, what: str) -> ProtocolError:
