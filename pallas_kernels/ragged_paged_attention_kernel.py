@@ -35,10 +35,12 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = 
 LOG2E = math.log2(math.e)
 
 
-def _kernel(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_ref, v_ref,
-            *refs, group: int, rows_per_token: int, block_q: int, block_kv: int,
+def program(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_ref, v_ref,
+            *refs, attend, group: int, rows_per_token: int, block_q: int, block_kv: int,
             head_dim: int, num_splits: int, scale: float, quantized: bool):
-    """Program (query block b, KV head h, KV split s). refs: [k_scale, v_scale,] [aliased
+    """Program (query block b, KV head h, KV split s), shared by both kernels: the tile's
+    rows, its keys and this split's share of their tiles, the output. `attend(i, carry,
+    **tile)` is the kernel's inner loop over tile i. refs: [k_scale, v_scale,] [aliased
     poison buffers,] outputs (o) or (o, m, l) partials."""
     scale_refs = refs[:2] if quantized else None
     out_refs = refs[-(1 if num_splits == 1 else 3):]
@@ -55,13 +57,13 @@ def _kernel(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
     tok = (t0 + row // rows_per_token)[:, None]
     head = (h * group + g)[:, None]
     padded_dim = next_pow2(max(head_dim, MIN_ROWS))
-    d = jnp.arange(padded_dim, dtype=jnp.int32)[None, :]
+    d = jnp.arange(padded_dim, dtype=jnp.int32)
     # Head dims that are not powers of two are padded and masked; others get no lane mask (a
     # constant-true one could still cost Triton its vectorised loads).
     d_valid = None if padded_dim == head_dim else d < head_dim
-    with_d = lambda mask: mask if d_valid is None else mask & d_valid
-    q_mask = with_d(row_valid[:, None])
-    q = pltriton.load(q_ref.at[tok, head, d], mask=q_mask, other=jnp.zeros((), q_ref.dtype))
+    q_mask = row_valid[:, None] if d_valid is None else row_valid[:, None] & d_valid[None, :]
+    q = pltriton.load(q_ref.at[tok, head, d[None, :]], mask=q_mask,
+                      other=jnp.zeros((), q_ref.dtype))
     pos = pltriton.load(pos_ref.at[tok[:, 0]], mask=row_valid, other=-1)  # [rows]
 
     # Keys the block needs: up to its last position, from its first position's window; this
@@ -76,10 +78,10 @@ def _kernel(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
     stop = jnp.minimum(start + per_split, tile_lo + num_tiles)
 
     tile = functools.partial(
-        _attend_tile, q=q, pos=pos, win_lo=jnp.where(window > 0, pos - window + 1, 0),
-        kv_lo=kv_lo, kv_hi=kv_hi, req=req, layer=layer, h=h, d=d, with_d=with_d,
+        attend, q=q, pos=pos, win_lo=jnp.where(window > 0, pos - window + 1, 0),
+        kv_lo=kv_lo, kv_hi=kv_hi, req=req, layer=layer, h=h, d=d, d_valid=d_valid,
         page_table_ref=page_table_ref, k_ref=k_ref, v_ref=v_ref, scale_refs=scale_refs,
-        block_kv=block_kv, qk_scale=scale * LOG2E)
+        qk_scale=scale * LOG2E)
     rows = row.shape[0]
     init = (jnp.zeros((rows, padded_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -88,19 +90,21 @@ def _kernel(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
     if num_splits == 1:
         (o_ref,) = out_refs
         out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
-        pltriton.store(o_ref.at[tok, head, d], out.astype(o_ref.dtype), mask=q_mask)
+        pltriton.store(o_ref.at[tok, head, d[None, :]], out.astype(o_ref.dtype), mask=q_mask)
     else:
         o_ref, m_ref, l_ref = out_refs
-        pltriton.store(o_ref.at[s, tok, head, d], acc, mask=q_mask)
+        pltriton.store(o_ref.at[s, tok, head, d[None, :]], acc, mask=q_mask)
         pltriton.store(m_ref.at[s, tok[:, 0], head[:, 0]], m, mask=row_valid)
         pltriton.store(l_ref.at[s, tok[:, 0], head[:, 0]], l, mask=row_valid)
 
 
-def _attend_tile(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, with_d,
+def _attend_tile(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_valid,
                  page_table_ref, k_ref, v_ref, scale_refs, block_kv: int, qk_scale: float):
     """Online softmax over keys [i * block_kv, (i + 1) * block_kv), gathered through the page
     table. carry: (acc f32[rows, D], running max m f32[rows] (log2 domain), sum l f32[rows])."""
     acc, m, l = carry
+    d = d[None, :]
+    with_d = lambda mask: mask if d_valid is None else mask & d_valid[None, :]  # noqa: E731
     page_size, pages_per_req = k_ref.shape[2], page_table_ref.shape[1]
     j = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # key positions
     kv_valid = (j >= kv_lo) & (j < kv_hi)
@@ -176,6 +180,17 @@ def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_ind
     poison: (tests) the outputs start as NaN buffers aliased into the kernel, so an element the
     kernel fails to write shows, on a GPU as in the interpreter.
     """
+    attend = functools.partial(_attend_tile, block_kv=sizes.block_kv)
+    return launch(attend, "ragged_paged_attention", q, k_cache, v_cache, layer, positions,
+                  req_indices, page_table, sliding_window, scale, k_scale, v_scale, sizes=sizes, interpret=interpret,
+                  poison=poison)
+
+
+def launch(attend, name: str, q, k_cache, v_cache, layer, positions, req_indices, page_table,
+           sliding_window, scale: float, k_scale, v_scale, *, sizes: AttentionBlockSizes,
+           interpret: bool, poison: bool, tile_name: str = ""):
+    """One `pallas_call` of `program` with the kernel's inner loop `attend`; shared by both
+    kernels. Returns [T, H, D] in q's dtype."""
     T, H, D = q.shape
     K = k_cache.shape[3]
     R = page_table.shape[0]
@@ -187,8 +202,7 @@ def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_ind
     quantized = k_scale is not None
     if quantized != (v_scale is not None):
         raise ValueError("pass both k_scale and v_scale, or neither")
-    if interpret:
-        # The interpreter copies every operand on every grid step: hand it this layer only.
+    if interpret:  # the interpreter copies every operand per grid step: this layer only
         k_cache, v_cache = k_cache[layer][None], v_cache[layer][None]
         if quantized:
             k_scale, v_scale = k_scale[layer][None], v_scale[layer][None]
@@ -210,7 +224,7 @@ def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_ind
         aliases = {len(args) + i: i for i in range(len(out_shape))}
         args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
     kernel = functools.partial(
-        _kernel, group=group, rows_per_token=rows_per_token, block_q=block_q,
+        program, attend=attend, group=group, rows_per_token=rows_per_token, block_q=block_q,
         block_kv=sizes.block_kv, head_dim=D, num_splits=S, scale=float(scale),
         quantized=quantized)
     out = pl.pallas_call(
@@ -218,7 +232,7 @@ def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_ind
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps,
                                                 num_stages=sizes.num_stages),
-        name=f"ragged_paged_attention_q{block_q}_kv{sizes.block_kv}_s{S}",
+        name=f"{name}_q{block_q}_{tile_name or f'kv{sizes.block_kv}'}_s{S}",
     )(*args)
     return out[0] if S == 1 else combine_splits(*out, q.dtype)
 

@@ -21,76 +21,18 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.block_sizes import MIN_ROWS, AttentionBlockSizes, next_pow2
-from pallas_kernels.ragged_paged_attention_kernel import (LOG2E, MASK_VALUE, block_sizes_for,
-                                                          combine_splits, max_query_blocks,
-                                                          query_blocks)
-
-
-def _kernel(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_ref, v_ref,
-            *refs, group: int, rows_per_token: int, block_q: int, pages_per_block: int,
-            head_dim: int, num_splits: int, scale: float, quantized: bool):
-    """Program (query block b, KV head h, KV split s); refs as in the first kernel."""
-    scale_refs = refs[:2] if quantized else None
-    out_refs = refs[-(1 if num_splits == 1 else 3):]
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0, n, req = meta_ref[0, b], meta_ref[1, b], meta_ref[2, b]
-    layer, window = layer_ref[0], window_ref[0]
-    page_size = k_ref.shape[2]
-
-    row = jnp.arange(block_q * rows_per_token, dtype=jnp.int32)
-    g = row % rows_per_token
-    row_valid = (row // rows_per_token < n) & (g < group)
-    tok = (t0 + row // rows_per_token)[:, None]
-    head = (h * group + g)[:, None]
-    padded_dim = next_pow2(max(head_dim, MIN_ROWS))
-    d = jnp.arange(padded_dim, dtype=jnp.int32)
-    d_valid = None if padded_dim == head_dim else d < head_dim
-    q_mask = row_valid[:, None] if d_valid is None else row_valid[:, None] & d_valid[None, :]
-    q = pltriton.load(q_ref.at[tok, head, d[None, :]], mask=q_mask,
-                      other=jnp.zeros((), q_ref.dtype))
-    pos = pltriton.load(pos_ref.at[tok[:, 0]], mask=row_valid, other=-1)  # [rows]
-
-    # Keys [kv_lo, kv_hi) in tiles of whole pages; this split's share of the tiles.
-    block_kv = pages_per_block * page_size
-    kv_hi = jnp.max(pos) + 1
-    first = jnp.min(jnp.where(row_valid, pos, jnp.iinfo(jnp.int32).max))
-    kv_lo = jnp.minimum(jnp.where(window > 0, jnp.maximum(first - window + 1, 0), 0), kv_hi)
-    tile_lo = kv_lo // block_kv
-    num_tiles = (kv_hi + block_kv - 1) // block_kv - tile_lo
-    per_split = (num_tiles + num_splits - 1) // num_splits
-    start = tile_lo + s * per_split
-    stop = jnp.minimum(start + per_split, tile_lo + num_tiles)
-
-    tile = functools.partial(
-        _attend_pages, q=q, pos=pos, win_lo=jnp.where(window > 0, pos - window + 1, 0),
-        kv_lo=kv_lo, kv_hi=kv_hi, req=req, layer=layer, h=h, d=d, d_valid=d_valid,
-        page_table_ref=page_table_ref, k_ref=k_ref, v_ref=v_ref, scale_refs=scale_refs,
-        pages_per_block=pages_per_block, qk_scale=scale * LOG2E)
-    rows = row.shape[0]
-    init = (jnp.zeros((rows, padded_dim), jnp.float32),
-            jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(start, stop, tile, init)
-
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
-        pltriton.store(o_ref.at[tok, head, d[None, :]], out.astype(o_ref.dtype), mask=q_mask)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        pltriton.store(o_ref.at[s, tok, head, d[None, :]], acc, mask=q_mask)
-        pltriton.store(m_ref.at[s, tok[:, 0], head[:, 0]], m, mask=row_valid)
-        pltriton.store(l_ref.at[s, tok[:, 0], head[:, 0]], l, mask=row_valid)
+from pallas_kernels.block_sizes import AttentionBlockSizes
+from pallas_kernels.ragged_paged_attention_kernel import MASK_VALUE, block_sizes_for, launch
 
 
 def _attend_pages(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_valid,
                   page_table_ref, k_ref, v_ref, scale_refs, pages_per_block: int,
                   qk_scale: float):
     """Online softmax over pages [i * pages_per_block, (i + 1) * pages_per_block) of the
-    request: keys [i * block_kv, (i + 1) * block_kv). carry as in the first kernel."""
+    request: keys [i * block_kv, (i + 1) * block_kv). Arguments as in the first kernel's
+    `_attend_tile`."""
     acc, m, l = carry
     page_size, pages_per_req = k_ref.shape[2], page_table_ref.shape[1]
     block_kv = pages_per_block * page_size
@@ -154,54 +96,16 @@ def ragged_paged_attention_pages_kernel(q, k_cache, v_cache, layer, positions, r
                                         poison: bool = False):
     """Same contract as `ragged_paged_attention_reference`; sizes.block_kv must be a whole
     number of pages. poison as in the first kernel."""
-    T, H, D = q.shape
-    K, page_size = k_cache.shape[3], k_cache.shape[2]
+    page_size = k_cache.shape[2]
     if sizes.block_kv % page_size or page_size & (page_size - 1):
         raise ValueError(f"block_kv {sizes.block_kv} must be whole pages of a power-of-two "
                          f"page size (page_size {page_size})")
-    R = page_table.shape[0]
-    group = H // K
-    rows_per_token = next_pow2(group)
-    block_q = max(sizes.block_q, -(-MIN_ROWS // rows_per_token))
-    num_blocks = max_query_blocks(T, R, block_q)
-    meta = query_blocks(req_indices.astype(jnp.int32), R, block_q, num_blocks)
-    quantized = k_scale is not None
-    if quantized != (v_scale is not None):
-        raise ValueError("pass both k_scale and v_scale, or neither")
-    if interpret:  # the interpreter copies every operand per grid step: this layer only
-        k_cache, v_cache = k_cache[layer][None], v_cache[layer][None]
-        if quantized:
-            k_scale, v_scale = k_scale[layer][None], v_scale[layer][None]
-        layer = 0
-    S = sizes.num_splits
-    if S == 1:
-        out_shape = [jax.ShapeDtypeStruct((T, H, D), q.dtype)]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((S, T, H, D), jnp.float32),
-                     jax.ShapeDtypeStruct((S, T, H), jnp.float32),
-                     jax.ShapeDtypeStruct((S, T, H), jnp.float32)]
-    args = [meta, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-            jnp.reshape(jnp.asarray(sliding_window, jnp.int32), (1,)), q,
-            positions.astype(jnp.int32), page_table.astype(jnp.int32), k_cache, v_cache]
-    if quantized:
-        args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-    aliases = {}
-    if poison:
-        aliases = {len(args) + i: i for i in range(len(out_shape))}
-        args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
     pages_per_block = sizes.block_kv // page_size
-    kernel = functools.partial(
-        _kernel, group=group, rows_per_token=rows_per_token, block_q=block_q,
-        pages_per_block=pages_per_block, head_dim=D, num_splits=S, scale=float(scale),
-        quantized=quantized)
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(num_blocks, K, S), interpret=interpret,
-        input_output_aliases=aliases,
-        compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps,
-                                                num_stages=sizes.num_stages),
-        name=f"ragged_paged_attention_pages_q{block_q}_np{pages_per_block}_s{S}",
-    )(*args)
-    return out[0] if S == 1 else combine_splits(*out, q.dtype)
+    attend = functools.partial(_attend_pages, pages_per_block=pages_per_block)
+    return launch(attend, "ragged_paged_attention_pages", q, k_cache, v_cache, layer,
+                  positions, req_indices, page_table, sliding_window, scale, k_scale, v_scale,
+                  sizes=sizes, interpret=interpret, poison=poison,
+                  tile_name=f"np{pages_per_block}")
 
 
 def ragged_paged_attention_pages(q, k_cache, v_cache, layer, positions, req_indices,
