@@ -7,7 +7,7 @@ every stream constrained by a JSON schema against none, on the demo model.
     python scripts/bench_structured.py --parts engine --streams 64 --max-tokens 160
 
 host:   GrammarCompiler.fill (llguidance, rows in parallel) + step_bitmask (the step's array),
-        per step, walking each row through a valid document of the schema.
+        per step, each row walking its own random valid document of the schema.
 device: the jitted bitmask op alone on f32[R, V] logits, and the whole sampler without a
         bitmask, with one but no row masked, and with every row masked.
 engine: LLMEngine.step() over `--streams` requests, all constrained, then none with the same
@@ -39,38 +39,61 @@ SCHEMA = {"type": "object", "properties": {
         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
         "required": ["city", "zip"], "additionalProperties": False}},
     "required": ["name", "age", "role", "tags", "address"], "additionalProperties": False}
-DOCUMENT = ('{"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "poetry"], '
-            '"address": {"city": "London", "zip": "12345"}}')
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """n valid documents of SCHEMA with strings of random lengths up to their maxLength, so
+    the rows of a step sit in different grammar states (one document walked by every row
+    measured a tenth of what real sampled outputs cost)."""
+    import random
+    rng = random.Random(seed)
+    chars = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ-'éü"
+
+    def text(lo: int, hi: int) -> str:
+        return "".join(rng.choice(chars) for _ in range(rng.randint(lo, hi)))
+    return [json.dumps({"name": text(1, 30), "age": rng.randint(0, 120),
+                        "role": rng.choice(["admin", "user", "guest"]),
+                        "tags": [text(1, 12) for _ in range(rng.randint(1, 4))],
+                        "address": {"city": text(1, 20), "zip": f"{rng.randint(0, 99999):05d}"}})
+            for _ in range(n)]
 
 
 def _median_us(seconds: list[float]) -> str:
     return f"{statistics.median(seconds) * 1e6:.0f}"
 
 
-def bench_host(tokenizer, rows: list[int]) -> None:
+def without_bounds(schema):
+    """The schema with its strings' maxLength dropped (llguidance's slices then cover every
+    string state)."""
+    if isinstance(schema, dict):
+        return {k: without_bounds(v) for k, v in schema.items() if k != "maxLength"}
+    return schema
+
+
+def bench_host(tokenizer, rows: list[int], schema: dict) -> None:
     from serving.core import grammar as g
     from serving.core.request import Request
     from serving.core.sampling_params import SamplingParams
     from serving.core.scheduler import ScheduledRequest
     from serving.core.structured_outputs import StructuredOutputsParams
     compiler = g.GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    so = StructuredOutputsParams(json=SCHEMA)
+    so = StructuredOutputsParams(json=schema)
     started = time.perf_counter()
     compiler.get(so)
     print(f"\ncompile (first, uncached): {(time.perf_counter() - started) * 1e3:.1f} ms")
-    tokens = tokenizer.encode(DOCUMENT, add_special_tokens=False)
     print("| constrained rows | fill us/step | step array us/step | total us/step |")
     print("|---:|---:|---:|---:|")
     for n in rows:
+        docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents(n)]
         reqs = []
         for i in range(n):
-            req = Request(str(i), [1], SamplingParams(max_tokens=len(tokens) + 1,
+            req = Request(str(i), [1], SamplingParams(max_tokens=len(docs[i]) + 1,
                                                       structured_outputs=so))
             req.grammar = compiler.matcher(so)
             reqs.append(req)
         sched = [ScheduledRequest(r, 1, 0, [1], True) for r in reqs]
         fills, arrays = [], []
-        for t in tokens:
+        for k in range(min(map(len, docs))):  # steps where every row is still constrained
             t0 = time.perf_counter()
             compiler.fill([r.grammar for r in reqs])
             t1 = time.perf_counter()
@@ -78,8 +101,8 @@ def bench_host(tokenizer, rows: list[int]) -> None:
             t2 = time.perf_counter()
             fills.append(t1 - t0)
             arrays.append(t2 - t1)
-            for r in reqs:
-                r.grammar.accept(t)
+            for r, doc in zip(reqs, docs):
+                r.grammar.accept(doc[k])
         total = [a + b for a, b in zip(fills, arrays)]
         print(f"| {n} | {_median_us(fills)} | {_median_us(arrays)} | {_median_us(total)} |",
               flush=True)
@@ -102,6 +125,7 @@ def bench_device(vocab: int, rows: list[int], repeats: int, args_random: bool) -
         logits = jnp.asarray(rng.normal(size=(R, vocab)).astype(np.float32))
         mask = jnp.asarray(rng.integers(-2**31, 2**31 - 1, size=(R, W), dtype=np.int32))
         greedy = padding_step((R, R, 1)).sampling  # a greedy step's sampling arrays
+        greedy["history"] = np.full((R, 1), -1, np.int32)  # no row penalised
         if args_random:
             greedy.update(temperature=np.full(R, 0.8, np.float32), any_random=np.bool_(True))
         s_none = SamplingInputs(**{**greedy, "any_masked": np.bool_(False)})
@@ -193,6 +217,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--model", help="default: the demo model")
+    ap.add_argument("--no-bounds", action="store_true",
+                    help="host part: the schema without its strings' maxLength")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows = [int(r) for r in args.rows.split(",")]
@@ -202,7 +228,7 @@ def main() -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     print(f"model {model_dir}, vocabulary {len(tokenizer)}")
     if "host" in parts:
-        bench_host(tokenizer, rows)
+        bench_host(tokenizer, rows, without_bounds(SCHEMA) if args.no_bounds else SCHEMA)
     if "device" in parts:
         bench_device(len(tokenizer), rows, args.repeats, False)
         bench_device(len(tokenizer), rows, args.repeats, True)

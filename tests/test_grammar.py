@@ -260,3 +260,33 @@ def test_a_choice_the_tokenizer_cannot_write_is_refused(compiler, tokenizer):
     with pytest.raises(g.GrammarRefused, match="cannot write"):
         compiler.get(SO(choice=["ok", "a\x1db"]))
     compiler.get(SO(choice=["ok", "naïve 🙂"]))
+
+
+def test_extra_slices_leave_masks_unchanged(tokenizer, compiler):
+    """Our slices (bounded JSON strings) only speed the fill: every mask along documents with
+    strings of every length under their maxLength equals llguidance's without any slice."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy as lnp
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 23}, "tag": {"type": "string", "minLength": 3,
+                                                             "maxLength": 9}},
+        "required": ["name", "tag"], "additionalProperties": False}
+    so = SO(json=schema)
+    plain_tok = llguidance.hf.from_tokenizer(tokenizer, len(tokenizer), eos_token=EOS, slices=[])
+    plain = llguidance.LLMatcher(plain_tok, g.grammar_text(so), log_level=0)
+    want = np.zeros((1, compiler.width), np.int32)
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghij klmnopqrstuvwxyz") + ["é", "Zü", "42"]
+    for n in (0, 1, 5, 9, 16, 22, 23):
+        name = "".join(rng.choice(letters, n))[:23]
+        text = '{"name": "%s", "tag": "%s"}' % (name, "x" * (3 + n % 7))
+        ours, ref = compiler.matcher(so), plain.deep_copy()
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            compiler.fill([ours])
+            lnp.fill_next_token_bitmask(ref, want)
+            g.GrammarMatcher(ref, compiler).set_bitmask(want[0])  # the same EOS rule
+            np.testing.assert_array_equal(ours.bitmask, want[0])
+            assert allowed(ours.bitmask, t)
+            ours.accept(t)
+            assert ref.consume_token(t)

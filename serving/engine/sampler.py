@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.argmax_cpu import argmax_rows
-from serving.engine.token_bitmask import apply_token_bitmask
+from serving.engine.token_bitmask import apply_token_bitmask, masked_argmax
 
 # Top logprobs computed when any request asks; each keeps its own count. The engine passes its
 # max_logprobs cap (vLLM's --max-logprobs), whose default this is.
@@ -135,29 +135,35 @@ def sample(logits, s: SamplingInputs, num_top: int = NUM_TOP_LOGPROBS,
     if s.token_bitmask is None:
         return _sample(logits, s, num_top, mode)
     if mode == "select":
-        return _sample(apply_token_bitmask(logits, s.token_bitmask), s, num_top, mode)
+        return _sample(logits, s, num_top, mode, s.token_bitmask)
     return jax.lax.cond(s.any_masked,
-                        lambda l: _sample(apply_token_bitmask(l, s.token_bitmask), s, num_top,
-                                          mode),
+                        lambda l: _sample(l, s, num_top, mode, s.token_bitmask),
                         lambda l: _sample(l, s, num_top, mode), logits)
 
 
-def _sample(logits, s: SamplingInputs, num_top: int, mode: str) -> SampleOutput:
+def _sample(logits, s: SamplingInputs, num_top: int, mode: str,
+            bitmask=None) -> SampleOutput:
     """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
     and output index, so a request samples the same tokens whatever else is in the batch.
-    A step of greedy requests asking for nothing else takes the argmax alone (under "cond").
-    mode: one of BRANCH_MODES."""
+    A step of greedy requests asking for nothing else takes the argmax alone (under "cond"),
+    over the allowed tokens when there is a bitmask: the masked logits are then never
+    written (XLA:CPU took milliseconds at 64 rows to write them and pass them into the
+    branch). mode: one of BRANCH_MODES."""
     R, _ = logits.shape
     K = max(num_top, 1)
 
+    def masked(raw):
+        return raw if bitmask is None else apply_token_bitmask(raw, bitmask)
+
     def plain(raw):
-        return SampleOutput(argmax_rows(raw), jnp.zeros((R,), jnp.float32),
+        tokens = argmax_rows(raw) if bitmask is None else masked_argmax(raw, bitmask)
+        return SampleOutput(tokens, jnp.zeros((R,), jnp.float32),
                             jnp.zeros((R, K), jnp.int32), jnp.zeros((R, K), jnp.float32))
 
     if mode == "select":  # every stage below selects its own result: no outer branch
-        return _sample_any(logits, s, K, mode)
+        return _sample_any(masked(logits), s, K, mode)
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
-    return jax.lax.cond(extra, lambda raw: _sample_any(raw, s, K, mode), plain, logits)
+    return jax.lax.cond(extra, lambda raw: _sample_any(masked(raw), s, K, mode), plain, logits)
 
 
 def _sample_any(logits, s: SamplingInputs, K: int, mode: str) -> SampleOutput:

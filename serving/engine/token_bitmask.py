@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.argmax_cpu import masked_argmax_rows, masked_kernel_available
+
 
 def unpack_bitmask(bitmask, vocab_size: int):
     """i32[R, W] -> bool[R, vocab_size]: bit t % 32 of word t // 32 is token t."""
@@ -21,3 +23,12 @@ def apply_token_bitmask(logits, bitmask):
     """logits: f32[R, V], bitmask: i32[R, ceil(V / 32)] -> f32[R, V] with the disallowed
     tokens at -inf."""
     return jnp.where(unpack_bitmask(bitmask, logits.shape[1]), logits, -jnp.inf)
+
+
+def masked_argmax(logits, bitmask):
+    """The greedy token of each row among its allowed ones: jnp.argmax of
+    `apply_token_bitmask(logits, bitmask)`, by the CPU kernel where there is one (it never
+    writes the masked logits)."""
+    if masked_kernel_available():
+        return masked_argmax_rows(logits, bitmask)
+    return jnp.argmax(apply_token_bitmask(logits, bitmask), axis=-1).astype(jnp.int32)
