@@ -79,7 +79,8 @@ async def run_conversations(base_url: str, model: str, conversations: list[Conve
 
     url = base_url.rstrip("/") + "/v1/chat/completions"
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    connector = aiohttp.TCPConnector(limit=max_concurrency, keepalive_timeout=60)
+    # A new connection per request, as in bench_serving (llama-server drops idle ones).
+    connector = aiohttp.TCPConnector(limit=max_concurrency, force_close=True)
     sem = asyncio.Semaphore(max_concurrency)
     turns: list[tuple[int, bs.RequestOutput]] = []  # (turn number, its output)
 

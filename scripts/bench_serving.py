@@ -317,7 +317,9 @@ async def run_benchmark(base_url: str, endpoint: str, model: str, requests: list
     bodies = [request_body(endpoint, model, r, ignore_eos=ignore_eos, temperature=temperature)
               for r in requests]
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    # A new connection per request: llama-server closes idle keep-alive connections after 5 s,
+    # and a pooled one it closed fails the next request (ServerDisconnectedError).
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for i in range(num_warmups):  # also the "initial test request": fail fast if it fails
             w = await send_request(session, url, bodies[i % len(bodies)], 0)
