@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from pallas_kernels import rms_norm_cpu
 from quant import ops as quant_ops
 
 init = nn.initializers.normal(0.02)
@@ -51,9 +52,9 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        # Normalise in float32, then scale in the activation dtype, as transformers does.
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps))
+        # Normalise in float32, then scale in the activation dtype, as transformers does. On
+        # CPUs each row is summed in one order whatever the batch (pallas_kernels/rms_norm_cpu).
+        x32 = rms_norm_cpu.normalize(x.astype(jnp.float32), self.eps)
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 

@@ -10,7 +10,8 @@ one kernel per HF projection. Run: `prepare_params` gives
   Weights quantized per tensor keep their own scales, so they stay apart.
 - on CPUs, int8 weights (per output channel) packed for our kernel (quant/packed.py), and
   an int8 tied embedding table packed again as `lm_head`: XLA:CPU widens int8 weights in
-  memory before a dot, the kernel in registers.
+  memory before a dot, the kernel in registers. Float weights (and a float tied table, as
+  `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch.
 
 `forward` accepts either form (it prepares a stored tree itself, slowly, inside the program).
 """
@@ -33,15 +34,16 @@ def is_prepared(params) -> bool:
 def prepare_params(params, pack: bool | None = None, free_stacked: bool = False):
     """Stored tree -> run tree (a tree already prepared comes back as it is).
 
-    pack: pack int8 weights for the CPU kernel; None: when the default backend is a CPU and
-    the kernel builds.
+    pack: pack weights for the CPU kernels; None: when the default backend is a CPU and the
+    kernels build.
     free_stacked: delete each stacked layer array once its layers are sliced out, so the
     device holds the weights about once (plus one stacked array) rather than twice; the
     caller's stored tree is unusable afterwards (the engine's load path)."""
     if is_prepared(params):
         return params
     if pack is None:
-        pack = _has_int8(params) and packed.kernels_available()
+        pack = packed.dense_kernel_available() and (not _has_int8(params)
+                                                    or packed.kernels_available())
     layers = params["layers"]
     leaves, treedef = jax.tree.flatten(layers)
     num_layers = leaves[0].shape[0]
@@ -65,11 +67,20 @@ def _has_int8(params) -> bool:
 
 
 def _pack(params):
-    """Every packable int8 kernel as a PackedQ8; an int8 tied table also as the head."""
-    params = jax.tree.map(lambda a: packed.pack(a) if packed.packable(a) else a, params,
-                          is_leaf=lambda a: isinstance(a, QuantArray))
+    """Every packable int8 kernel as a PackedQ8 and float kernel as a PackedDense; a tied
+    table (int8 or float) also as the head."""
+    def one(path, a):
+        if packed.packable(a):
+            return packed.pack(a)
+        if path and getattr(path[-1], "key", None) == "kernel" and packed.dense_packable(a):
+            return packed.pack_dense(a)
+        return a
+    params = jax.tree_util.tree_map_with_path(one, params,
+                                              is_leaf=lambda a: isinstance(a, QuantArray))
     if "lm_head" not in params:
         head = packed.pack_head(params["embed"])
+        if head is None:
+            head = packed.pack_dense_head(params["embed"])
         if head is not None:
             params["lm_head"] = {"kernel": head}
     return params

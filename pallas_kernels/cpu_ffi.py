@@ -23,13 +23,15 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
 # handler `xlaserve_<name>`.
-KERNELS = ("q8_matmul", "paged_attention", "argmax", "masked_argmax")
+KERNELS = ("q8_matmul", "paged_attention", "argmax", "masked_argmax", "dense_matmul",
+           "rms_norm")
 
 
 def cpu_signature() -> str:
@@ -112,3 +114,14 @@ def loaded_kernels() -> tuple[str, ...]:
     """The kernels registered as FFI targets so far in this process: a program compiled now
     may call any of them, so a saved copy of it needs them registered before it loads."""
     return tuple(k for k in KERNELS if k in _registered)
+
+
+def matmul(kernel: str, x, n: int, *operands):
+    """x: float[..., K] through the matmul kernel `kernel` (its rows as float32[rows, K],
+    then `operands`) -> [..., n] in x's dtype."""
+    if not available(kernel):
+        raise RuntimeError("the CPU kernels are not available (no C++ compiler or no AVX2)")
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(f"xlaserve_{kernel}",
+                            jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, *operands).reshape(*x.shape[:-1], n).astype(x.dtype)

@@ -38,15 +38,8 @@ def unpack_panels(panels):
 def q8_matmul(x, panels, scale):
     """x: float[..., K] @ weight int8[K, N] (packed) * scale float32[N] -> [..., N] in x's
     dtype."""
-    if not cpu_ffi.available("q8_matmul"):
-        raise RuntimeError("the CPU kernels are not available (no C++ compiler or no AVX2)")
-    K, N = panels.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K).astype(jnp.float32)
-    call = jax.ffi.ffi_call("xlaserve_q8_matmul",
-                            jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
-    y = call(x2, panels, scale.reshape(N).astype(jnp.float32))
-    return y.reshape(*lead, N).astype(x.dtype)
+    N = panels.shape[1]
+    return cpu_ffi.matmul("q8_matmul", x, N, panels, scale.reshape(N).astype(jnp.float32))
 
 
 def quantize_rows(x):

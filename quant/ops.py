@@ -27,6 +27,8 @@ def matmul(x, w):
     x's dtype."""
     if isinstance(w, packed.PackedQ8):
         return packed.matmul(x, w)
+    if isinstance(w, packed.PackedDense):
+        return packed.dense_matmul(x, w)
     if not isinstance(w, QuantArray):
         return x @ w.astype(x.dtype)
     if w.scale.shape[-2] != 1 or w.ndim != 2:

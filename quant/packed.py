@@ -1,8 +1,10 @@
-"""PackedQ8: an int8 weight laid out for the CPU kernel (pallas_kernels/q8_matmul_cpu.py).
+"""Weights laid out for the CPU kernels: PackedQ8, an int8 weight for
+pallas_kernels/q8_matmul_cpu.py (from a QuantArray with one scale per output channel), and
+PackedDense, a float32 / bfloat16 / float16 weight for pallas_kernels/dense_matmul_cpu.py
+(rows independent of their batch).
 
-Made once at load from a QuantArray with one scale per output channel; `quant.ops.matmul`
-sends it to the kernel. Checkpoints never hold it: it is a run-time form, like the joined
-projections of model/runtime_params.py.
+Made once at load; `quant.ops.matmul` sends them to their kernels. Checkpoints never hold
+them: they are run-time forms, like the joined projections of model/runtime_params.py.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_ffi, dense_matmul_cpu
 from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul
 from quant.array import QuantArray
 
@@ -56,3 +58,44 @@ def pack_head(table: QuantArray) -> PackedQ8 | None:
 def matmul(x, w: PackedQ8):
     """x: [..., in] @ w -> [..., out] in x's dtype."""
     return q8_matmul(x, w.panels, w.scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PackedDense:
+    panels: jax.Array  # float[in, out], values in panel order (see dense_matmul_cpu)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.panels.shape)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+
+def dense_kernel_available() -> bool:
+    return jax.default_backend() == "cpu" and cpu_ffi.available("dense_matmul")
+
+
+def dense_packable(w) -> bool:
+    """A plain float [in, out] weight, concrete: a tree prepared inside a program (traced,
+    perhaps for another platform) keeps XLA's dot."""
+    return (isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and w.ndim == 2
+            and jnp.dtype(w.dtype).name in dense_matmul_cpu.WEIGHT_DTYPES)
+
+
+def pack_dense(w) -> PackedDense:
+    return PackedDense(dense_matmul_cpu.pack_panels(w))
+
+
+def pack_dense_head(table) -> PackedDense | None:
+    """The tied head [hidden, vocab] from a float embedding table [vocab, hidden], or None."""
+    if not (dense_packable(table) and dense_packable(table.T)):
+        return None
+    return pack_dense(table.T)
+
+
+def dense_matmul(x, w: PackedDense):
+    """x: [..., in] @ w -> [..., out] in x's dtype."""
+    return dense_matmul_cpu.dense_matmul(x, w.panels)

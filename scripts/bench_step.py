@@ -94,6 +94,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=200, help="decode position + 1")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-pack", action="store_true",
+                   help="leave the weights to XLA's dot (no CPU matmul kernels)")
     p.add_argument("--profile", action="store_true",
                    help="also the step's time by op (kernel or XLA fusion), under jax.profiler")
     p.add_argument("--no-attention", action="store_true",
@@ -104,7 +106,7 @@ def main() -> int:
         model.transformer.paged_attention = lambda q, *args, **kwargs: q
     model_dir = resolve_model_dir(args.model)
     cfg, params = load_model(model_dir, args.dtype, progress=False, quantize=args.quantize)
-    params = prepare_params(params)
+    params = prepare_params(params, pack=False if args.no_pack else None)
     backend = resolve_backend(args.attention_backend)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     num_pages = 1 + max(R * P for _, R, P in shapes)

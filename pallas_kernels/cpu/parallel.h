@@ -51,4 +51,18 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F&& fn, int64_t grain = 
   while (counters->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
+// Calls fn(r, n) for consecutive tiles of rows [r, r + n) covering [0, T), at most
+// max_rows each and as even as can be (16 rows in tiles of 6: 6 + 5 + 5), so no tile is
+// left with a few rows' worth of work per weight load.
+template <typename F>
+void EvenTiles(int64_t T, int64_t max_rows, F&& fn) {
+  const int64_t tiles = (T + max_rows - 1) / max_rows;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n = (T - r) / (tiles - t) + ((T - r) % (tiles - t) != 0);
+    fn(r, n);
+    r += n;
+  }
+}
+
 }  // namespace xlaserve

@@ -157,17 +157,12 @@ void TileOf(int64_t rows, const int16_t* xq, const float* xs, int64_t K, const i
   }
 }
 
-// Rows [0, T) against one panel, in tiles of at most 6 rows as even as can be (16 rows:
-// 6 + 5 + 5), so no tile is left with a few rows' worth of work per weight load.
+// Rows [0, T) against one panel, in tiles of at most 6 rows as even as can be.
 void Panel(int64_t T, const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
            const float* scale, float* y, int64_t N) {
-  const int64_t tiles = (T + kMaxTile - 1) / kMaxTile;
-  int64_t r = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n = (T - r) / (tiles - t) + ((T - r) % (tiles - t) != 0);
+  xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
     TileOf(n, xq + r * K, xs + r, K, panel, scale, y + r * N, N);
-    r += n;
-  }
+  });
 }
 
 ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,

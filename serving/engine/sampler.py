@@ -100,9 +100,20 @@ def _gumbel(s: SamplingInputs, shape):
     return jax.vmap(row)(s.seed, s.output_index)
 
 
+def row_log_softmax(logits):
+    """log_softmax over each row of f32[N, V], one row at a time: XLA's reductions over
+    [N, V] sum a row in an order that depends on N, so a row's logprobs changed in their last
+    bits with the rows beside it. Each row as its own [V] computation sums the same way
+    whatever N is (docs/architecture.md, "Batch invariance"). Off CPUs (GPUs make no such
+    promise) the one batched op."""
+    if jax.default_backend() != "cpu":
+        return jax.nn.log_softmax(logits, axis=-1)
+    return jax.lax.map(jax.nn.log_softmax, logits)
+
+
 def top_logprobs(logits, num_top: int):
     """logits: f32[N, V] -> (logprobs f32[N, V], top ids i32[N, K], their logprobs f32[N, K])."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = row_log_softmax(logits)
     vals, ids = jax.lax.top_k(logprobs, max(num_top, 1))
     return logprobs, ids.astype(jnp.int32), vals
 

@@ -1,0 +1,187 @@
+// y[T, N] = x[T, K] @ W[K, N] for float weights (float32, bfloat16 or float16) and float32
+// rows, with every output summed in one fixed order: y[r, n] = fma(x[r, K-1], W[K-1, n],
+// ... fma(x[r, 1], W[1, n], x[r, 0] * W[0, n])), k ascending, whatever T is and whichever
+// rows share the call. A row's result is then independent of its batch: XLA:CPU's dot picks
+// other kernels and blockings for other row counts (every row of a 1-row float32 dot
+// differed in its last bits from the same row of a 64-row one).
+//
+// W comes packed in panels of 16 output channels: panel[p][k][j] = W[k][16p + j], so the 16
+// weights one k needs are one contiguous load (64 bytes in float32, 32 in 16-bit formats,
+// widened in registers); when 16 does not divide N, the last panel is N % 16 wide. Panels
+// are split over XLA's intra-op threads; within a panel, tiles of up to 6 rows share each
+// weight load (12 accumulators, 2 weights, 1 broadcast).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kNR = 16;      // output channels per panel: two AVX2 registers
+constexpr int64_t kMaxTile = 6;  // rows per tile
+
+enum class Weights { kF32, kBF16, kF16 };
+
+// The 16 weights of row k of a full panel as two float32 registers.
+template <Weights W>
+inline void Load(const void* panel, int64_t k, __m256& w0, __m256& w1) {
+  if constexpr (W == Weights::kF32) {
+    const float* p = static_cast<const float*>(panel) + k * kNR;
+    w0 = _mm256_loadu_ps(p);
+    w1 = _mm256_loadu_ps(p + 8);
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(panel) + k * kNR));
+    const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
+    if constexpr (W == Weights::kBF16) {  // bfloat16 is the top half of a float32
+      w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+      w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+    } else {
+      w0 = _mm256_cvtph_ps(lo);
+      w1 = _mm256_cvtph_ps(hi);
+    }
+  }
+}
+
+// The `width` < 16 weights of row k of the last, narrow panel, zero-padded to 16.
+template <Weights W>
+inline void LoadNarrow(const void* panel, int64_t k, int64_t width, __m256& w0, __m256& w1) {
+  alignas(32) float w[kNR] = {};
+  for (int64_t j = 0; j < width; ++j) {
+    if constexpr (W == Weights::kF32) {
+      w[j] = static_cast<const float*>(panel)[k * width + j];
+    } else {
+      const uint16_t h = static_cast<const uint16_t*>(panel)[k * width + j];
+      if constexpr (W == Weights::kBF16) {
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&w[j], &bits, sizeof bits);
+      } else {
+        w[j] = _cvtsh_ss(h);
+      }
+    }
+  }
+  w0 = _mm256_load_ps(w);
+  w1 = _mm256_load_ps(w + 8);
+}
+
+inline void Store(float* y, __m256 a0, __m256 a1, int64_t width) {
+  if (width == kNR) {
+    _mm256_storeu_ps(y, a0);
+    _mm256_storeu_ps(y + 8, a1);
+    return;
+  }
+  alignas(32) float t[kNR];
+  _mm256_store_ps(t, a0);
+  _mm256_store_ps(t + 8, a1);
+  std::memcpy(y, t, width * sizeof(float));
+}
+
+// R <= 6 rows of x (stride K) against one panel `width` wide -> R x width of y (stride N).
+template <Weights W, int R>
+void Tile(const float* x, int64_t K, const void* panel, int64_t width, float* y, int64_t N) {
+  static_assert(R >= 1 && R <= kMaxTile);
+  const __m256 z = _mm256_setzero_ps();
+  __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z,
+         a41 = z, a50 = z, a51 = z;
+#define XLASERVE_ROW(r)                                        \
+  if constexpr (R > r) {                                       \
+    const __m256 b = _mm256_broadcast_ss(x + r * K + k);       \
+    a##r##0 = _mm256_fmadd_ps(b, w0, a##r##0);                 \
+    a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1);                 \
+  }
+#define XLASERVE_STORE(r) \
+  if constexpr (R > r) Store(y + r * N, a##r##0, a##r##1, width);
+  if (width == kNR) {
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 w0, w1;
+      Load<W>(panel, k, w0, w1);
+      XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
+      XLASERVE_ROW(5)
+    }
+  } else {  // the same FMAs, on zero-padded weights
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 w0, w1;
+      LoadNarrow<W>(panel, k, width, w0, w1);
+      XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
+      XLASERVE_ROW(5)
+    }
+  }
+  XLASERVE_STORE(0) XLASERVE_STORE(1) XLASERVE_STORE(2) XLASERVE_STORE(3) XLASERVE_STORE(4)
+  XLASERVE_STORE(5)
+#undef XLASERVE_ROW
+#undef XLASERVE_STORE
+}
+
+template <Weights W>
+void TileOf(int64_t rows, const float* x, int64_t K, const void* panel, int64_t width,
+            float* y, int64_t N) {
+  switch (rows) {
+    case 6: Tile<W, 6>(x, K, panel, width, y, N); break;
+    case 5: Tile<W, 5>(x, K, panel, width, y, N); break;
+    case 4: Tile<W, 4>(x, K, panel, width, y, N); break;
+    case 3: Tile<W, 3>(x, K, panel, width, y, N); break;
+    case 2: Tile<W, 2>(x, K, panel, width, y, N); break;
+    default: Tile<W, 1>(x, K, panel, width, y, N); break;
+  }
+}
+
+// Rows [0, T) against one panel, in tiles of at most 6 rows as even as can be.
+template <Weights W>
+void Panel(int64_t T, const float* x, int64_t K, const void* panel, int64_t width, float* y,
+           int64_t N) {
+  xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
+    TileOf<W>(n, x + r * K, K, panel, width, y + r * N, N);
+  });
+}
+
+template <Weights W>
+void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, const float* x,
+         const char* w, size_t bytes, float* y) {
+  xlaserve::ParallelFor(pool, (N + kNR - 1) / kNR, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      Panel<W>(T, x, K, w + p * K * kNR * bytes, std::min(kNR, N - p * kNR), y + p * kNR, N);
+  }, /*grain=*/4);
+}
+
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("dense_matmul: x must be [T, K] and y [T, N]");
+  const int64_t T = xd[0], K = xd[1], N = yd[1];
+  if (static_cast<int64_t>(w.element_count()) != K * N)
+    return ffi::Error::InvalidArgument(
+        "dense_matmul: w must hold K * N values in panels of 16 columns");
+  if (T == 0) return ffi::Error::Success();
+  const char* wp = static_cast<const char*>(w.untyped_data());
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      Run<Weights::kF32>(pool, T, K, N, x.typed_data(), wp, 4, y->typed_data());
+      break;
+    case ffi::DataType::BF16:
+      Run<Weights::kBF16>(pool, T, K, N, x.typed_data(), wp, 2, y->typed_data());
+      break;
+    case ffi::DataType::F16:
+      Run<Weights::kF16>(pool, T, K, N, x.typed_data(), wp, 2, y->typed_data());
+      break;
+    default:
+      return ffi::Error::InvalidArgument("dense_matmul: weights float32, bfloat16 or float16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_dense_matmul, DenseMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,47 @@
+"""Float-weight matmul on CPUs whose rows are independent of their batch: `x @ w` by our C++
+kernel (cpu/dense_matmul.cc), each output summed over k in ascending order with one FMA per
+k, whatever the number of rows. XLA:CPU's own dot changes its blocking with the row count,
+so the same row came out different in its last bits alone and in a batch.
+
+The weight (float32, bfloat16 or float16) is packed once, at load, in panels of 16 output
+channels (`pack_panels`); rows are computed in float32 and the result comes back in x's
+dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu_ffi
+
+PANEL = 16  # output channels per panel
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def kernel_available() -> bool:
+    return jax.default_backend() == "cpu" and cpu_ffi.available("dense_matmul")
+
+
+def pack_panels(w):
+    """[K, N] -> [K, N] holding the panels: flat[p, k, j] = w[k, PANEL * p + j], the last
+    panel N % PANEL wide when PANEL does not divide N. The shape stays [in, out] (Flax checks
+    a weight's shape against its declaration); only the order of the values differs."""
+    w = jnp.asarray(w)
+    K, N = w.shape
+    full = N // PANEL * PANEL
+    body = w[:, :full].reshape(K, N // PANEL, PANEL).transpose(1, 0, 2).reshape(-1)
+    return jnp.concatenate([body, w[:, full:].reshape(-1)]).reshape(K, N)
+
+
+def unpack_panels(panels):
+    """The inverse of `pack_panels`."""
+    K, N = panels.shape
+    full = N // PANEL * PANEL
+    flat = panels.reshape(-1)
+    body = flat[:K * full].reshape(N // PANEL, K, PANEL).transpose(1, 0, 2).reshape(K, full)
+    return jnp.concatenate([body, flat[K * full:].reshape(K, N - full)], axis=1)
+
+
+def dense_matmul(x, panels):
+    """x: float[..., K] @ w [K, N] (packed) -> [..., N] in x's dtype."""
+    return cpu_ffi.matmul("dense_matmul", x, panels.shape[1], panels)

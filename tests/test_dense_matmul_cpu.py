@@ -1,0 +1,66 @@
+"""The float-weight CPU kernel (pallas_kernels/cpu/dense_matmul.cc): its products against a
+float64 matmul, and a row's result bit for bit the same whatever rows share the call."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_ffi
+from pallas_kernels.dense_matmul_cpu import (dense_matmul, kernel_available, pack_panels,
+                                             unpack_panels)
+
+
+def test_the_kernel_builds_here():
+    assert cpu_ffi.available("dense_matmul") and kernel_available()
+
+
+def _weights(K, N, dtype, seed=0):
+    w = np.random.default_rng(seed).standard_normal((K, N)).astype(np.float32) * 0.05
+    return jnp.asarray(w, dtype)
+
+
+@pytest.mark.parametrize("N", [48, 53, 5])
+def test_packing_round_trips(N):
+    K = 8
+    w = np.asarray(_weights(K, N, jnp.float32))
+    flat = np.asarray(pack_panels(w)).reshape(-1)
+    full = N // 16 * 16
+    for p in range(N // 16):  # whole panels: [p][k][j] = w[k][16p + j]
+        np.testing.assert_array_equal(flat[p * K * 16:(p + 1) * K * 16].reshape(K, 16),
+                                      w[:, 16 * p:16 * (p + 1)])
+    np.testing.assert_array_equal(flat[K * full:].reshape(K, N - full), w[:, full:])  # narrow
+    np.testing.assert_array_equal(np.asarray(unpack_panels(pack_panels(w))), w)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("T,K,N", [(1, 1, 16), (3, 7, 32), (6, 64, 48), (13, 576, 960),
+                                   (64, 100, 16), (5, 64, 211), (7, 9, 3)])
+def test_matches_a_float64_matmul(dtype, T, K, N):
+    x = np.random.default_rng(T + K).standard_normal((T, K)).astype(np.float32)
+    w = _weights(K, N, dtype, seed=K)
+    got = np.asarray(jax.jit(dense_matmul)(jnp.asarray(x), pack_panels(w)))
+    want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    assert "xlaserve_dense_matmul" in jax.jit(dense_matmul).lower(x, pack_panels(w)).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_row_does_not_depend_on_its_batch(dtype):
+    """Rows alone, at every position of tiles of 1 to 6 rows and in batches of every bucket
+    size, give the same bits. XLA's own dot does not (the negative control)."""
+    K, N = 576, 1544  # one narrow panel
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, K)).astype(np.float32))
+    w = _weights(K, N, dtype)
+    panels = pack_panels(w)
+    run = jax.jit(dense_matmul)
+    full = np.asarray(run(x, panels))
+    for T in (1, 2, 3, 5, 7, 16, 33):
+        for start in (0, 1, 64 - T):
+            part = np.asarray(run(x[start:start + T], panels))
+            np.testing.assert_array_equal(part, full[start:start + T], err_msg=f"T={T}")
+    xla = jax.jit(lambda a, b: a @ b.astype(jnp.float32))
+    batched, alone = np.asarray(xla(x, w)), np.asarray(xla(x[:1], w))
+    if dtype == "float32":
+        assert (alone != batched[:1]).any(), "XLA's dot became batch invariant"
+
