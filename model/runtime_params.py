@@ -42,8 +42,7 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
     if is_prepared(params):
         return params
     if pack is None:
-        pack = packed.dense_kernel_available() and (not _has_int8(params)
-                                                    or packed.kernels_available())
+        pack = packed.kernels_available() and packed.dense_kernel_available()
     layers = params["layers"]
     leaves, treedef = jax.tree.flatten(layers)
     num_layers = leaves[0].shape[0]
@@ -59,11 +58,6 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
     del sliced
     params = {**params, "layers": per_layer}
     return _pack(params) if pack else params
-
-
-def _has_int8(params) -> bool:
-    return any(isinstance(a, QuantArray) and a.scheme == "int8"
-               for a in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantArray)))
 
 
 def _pack(params):

@@ -98,6 +98,19 @@ def program(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
         pltriton.store(l_ref.at[s, tok[:, 0], head[:, 0]], l, mask=row_valid)
 
 
+def softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale: float):
+    """One tile's online-softmax update, shared by both kernels: scores f32[rows, n] of keys
+    at positions j [n] (kv_valid: inside the block's range), masked causally and by the
+    window per row -> (probabilities, new running max, new sum, the old terms' rescale)."""
+    visible = (kv_valid[None, :] & (j[None, :] <= pos[:, None])
+               & (j[None, :] >= win_lo[:, None]))
+    scores = jnp.where(visible, scores * qk_scale, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(visible, jnp.exp2(scores - m_new[:, None]), 0.0)
+    return p, m_new, l * alpha + jnp.sum(p, axis=1), alpha
+
+
 def _attend_tile(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_valid,
                  page_table_ref, k_ref, v_ref, scale_refs, block_kv: int, qk_scale: float):
     """Online softmax over keys [i * block_kv, (i + 1) * block_kv), gathered through the page
@@ -121,13 +134,7 @@ def _attend_tile(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_
         ks_ref, vs_ref = scale_refs
         scores = scores * pltriton.load(ks_ref.at[layer, page, off, h], mask=kv_valid,
                                         other=0.0)[None, :]
-    visible = (kv_valid[None, :] & (j[None, :] <= pos[:, None])
-               & (j[None, :] >= win_lo[:, None]))
-    scores = jnp.where(visible, scores * qk_scale, MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.where(visible, jnp.exp2(scores - m_new[:, None]), 0.0)
-    l = l * alpha + jnp.sum(p, axis=1)
+    p, m_new, l, alpha = softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale)
     if scale_refs is not None:
         p = p * pltriton.load(vs_ref.at[layer, page, off, h], mask=kv_valid, other=0.0)[None, :]
     pv = jax.lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.block_sizes import AttentionBlockSizes
-from pallas_kernels.ragged_paged_attention_kernel import MASK_VALUE, block_sizes_for, launch
+from pallas_kernels.ragged_paged_attention_kernel import block_sizes_for, launch, softmax_step
 
 
 def _attend_pages(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_valid,
@@ -61,13 +61,7 @@ def _attend_pages(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d
         s_mask = jnp.broadcast_to(page_used[:, None], (pages_per_block, page_size))
         k_scale = pltriton.load(ks_ref.at[s_at], mask=s_mask, other=0.0).reshape(block_kv)
         scores = scores * k_scale[None, :]
-    visible = (kv_valid[None, :] & (j[None, :] <= pos[:, None])
-               & (j[None, :] >= win_lo[:, None]))
-    scores = jnp.where(visible, scores * qk_scale, MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.where(visible, jnp.exp2(scores - m_new[:, None]), 0.0)
-    l = l * alpha + jnp.sum(p, axis=1)
+    p, m_new, l, alpha = softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale)
     if scale_refs is not None:
         v_scale = pltriton.load(vs_ref.at[s_at], mask=s_mask, other=0.0).reshape(block_kv)
         p = p * v_scale[None, :]
