@@ -18,11 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from serve_check import wait_healthy  # noqa: E402
 DATA = ROOT / "tests" / "data"
 SERVED_NAME = "xlaserve-eval"
 
@@ -83,19 +84,12 @@ def start_server(model_dir: str, port: int, server_args: list[str]) -> subproces
     print("starting:", " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 1800  # a cold warm-up compiles every program
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(1.0)
-    proc.terminate()
-    raise SystemExit("the server did not become healthy")
+    try:  # a cold warm-up compiles every program
+        wait_healthy(port, proc, time.monotonic() + 1800)
+    except (RuntimeError, TimeoutError) as e:
+        proc.terminate()
+        raise SystemExit(str(e)) from None
+    return proc
 
 
 def evaluate(model: str, model_args: str, task_dir: Path, limit: int | None) -> dict:
