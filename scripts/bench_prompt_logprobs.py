@@ -24,14 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from model.batch import Batch  # noqa: E402
 from model.transformer import forward  # noqa: E402
 from serving.core.request import Request  # noqa: E402
 from serving.core.sampling_params import SamplingParams  # noqa: E402
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from serving.engine.input_prep import prepare  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
-from serving.engine.runner import _pack, _unpack  # noqa: E402
+from serving.engine.runner import _pack, _unpack, split_batch  # noqa: E402
 from serving.engine.sampler import SamplingInputs, sample  # noqa: E402
 
 DECODE_ROWS = 16
@@ -40,7 +39,7 @@ DECODE_ROWS = 16
 def without_prompt_logprobs(params, cache, buffers, *, layout, cfg, backend, num_top):
     """The step as it was before prompt logprobs: forward to the sampled rows, sampling."""
     batch, sampling = _unpack(buffers, layout)
-    logits, cache = forward(params, cache, Batch(**batch), cfg, backend)
+    logits, cache = forward(params, cache, split_batch(batch)[0], cfg, backend)
     return sample(logits, SamplingInputs(**sampling), num_top), cache
 
 

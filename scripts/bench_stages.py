@@ -24,18 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from model.batch import Batch  # noqa: E402
 from model.transformer import compute_logits, forward_hidden  # noqa: E402
 from serving.core.config import EngineConfig  # noqa: E402
 from serving.engine.input_prep import padding_step  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
-from serving.engine.runner import _pack, _unpack  # noqa: E402
+from serving.engine.runner import _pack, _unpack, split_batch  # noqa: E402
 from serving.engine.sampler import SamplingInputs, sample  # noqa: E402
 
 
 def backbone(params, cache, buffers, *, layout, cfg, backend):
     batch, _ = _unpack(buffers, layout)
-    batch = Batch(**batch)
+    batch = split_batch(batch)[0]
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
     return hidden[batch.logits_indices], cache
 

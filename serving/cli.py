@@ -69,6 +69,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV cache of prompt prefixes seen before "
                                       "(default: on)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+                        '"prompt_lookup_min": 1}\' (and "disable_by_batch_size": off for a '
+                        'step with more running requests; default 8)')
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -126,6 +131,7 @@ def _engine_config(args) -> EngineConfig:
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                   seed=args.seed, max_logprobs=args.max_logprobs,
                   enable_prefix_caching=args.enable_prefix_caching,
+                  speculative_config=args.speculative_config,
                   token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off

@@ -9,7 +9,9 @@ After every step and every operation the books are checked:
 - a request reads only K/V of its own prefix (what a cache hit maps in is right), and
   writes only to pages nobody else holds and that are not cached;
 - a cached page's hash matches the tokens it holds;
-- once every request has ended, no page is referenced.
+- once every request has ended, no page is referenced;
+- with speculation (random proposals, random acceptance), K/V written for a rejected
+  proposed token is never read or cached, and its pages go back.
 """
 import random
 
@@ -29,8 +31,9 @@ class FakeDevice:
     def __init__(self, sched: Scheduler):
         self.sched, self.kv = sched, {}
 
-    def key(self, req: Request, pos: int):
-        return (self.sched.kv_cache_manager.extra_keys(req), tuple(req.all_token_ids[:pos + 1]))
+    def key(self, req: Request, pos: int, spec: list[int] = ()):
+        tokens = req.all_token_ids + list(spec)  # proposed tokens are keyed as if accepted
+        return (self.sched.kv_cache_manager.extra_keys(req), tuple(tokens[:pos + 1]))
 
     def run(self, out: SchedulerOutput) -> None:
         ps, alloc = self.sched.config.page_size, self.sched.allocator
@@ -43,7 +46,7 @@ class FakeDevice:
                 page = s.page_ids[pos // ps]
                 assert alloc.ref_count(page) == 1 and alloc.page_hash(page) is None, \
                     "wrote to a shared or cached page"
-                self.kv[page * ps + pos % ps] = self.key(r, pos)
+                self.kv[page * ps + pos % ps] = self.key(r, pos, s.spec_token_ids)
 
 
 def check_books(sched: Scheduler, device: FakeDevice, order: dict[str, int]) -> None:
@@ -80,14 +83,16 @@ def check_books(sched: Scheduler, device: FakeDevice, order: dict[str, int]) -> 
 
 def check_plan(sched: Scheduler, out: SchedulerOutput, was_waiting: set[str]) -> None:
     cfg = sched.config
-    assert len(out.scheduled) <= cfg.max_num_seqs
+    assert sum(s.num_rows for s in out.scheduled) <= cfg.max_num_seqs
     assert out.num_batched_tokens <= cfg.max_num_batched_tokens
     assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
     for s in out.scheduled:
         r, end = s.request, s.start + s.num_new_tokens
+        k = len(s.spec_token_ids)
         assert s.num_new_tokens >= 1 and s.start == r.num_computed_tokens
-        assert s.token_ids == r.all_token_ids[s.start:end]
-        assert s.samples == (end == r.num_tokens)
+        assert s.token_ids == r.all_token_ids[s.start:end - k] + s.spec_token_ids
+        assert s.samples == (end - k == r.num_tokens)
+        assert not k or (s.num_new_tokens == k + 1 and end < cfg.max_model_len)
         assert s.page_ids == sched.page_ids(r.request_id)
         assert len(s.page_ids) == cdiv(end, cfg.page_size)
         if r.request_id in was_waiting:  # admitted now: a hit is whole pages, never all
@@ -126,7 +131,27 @@ class Workload:
         self.histories.append(req.all_token_ids)
 
 
-def run_scenario(seed: int, num_ops: int) -> Scheduler:
+def verified(rng: random.Random, s) -> list[int]:
+    """What a verifying step might emit: a prefix of the proposal, then a token of its own
+    (which may equal the next proposed token: a rejection emits a different one)."""
+    accepted = rng.randint(0, len(s.spec_token_ids))
+    bonus = rng.randrange(50)
+    if accepted < len(s.spec_token_ids) and bonus == s.spec_token_ids[accepted]:
+        bonus = (bonus + 1) % 50
+    return s.spec_token_ids[:accepted] + [bonus]
+
+
+def propose(rng: random.Random, sched: Scheduler) -> None:
+    """Random proposals (at times copied from the request's own tokens) for some requests."""
+    for r in sched.running:
+        if rng.random() < 0.6:
+            k = rng.randint(1, 4)
+            tokens = r.all_token_ids
+            r.spec_token_ids = (tokens[-k:] if rng.random() < 0.5
+                                else [rng.randrange(50) for _ in range(k)])
+
+
+def run_scenario(seed: int, num_ops: int, speculate: bool = False) -> Scheduler:
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 4, 8])
     cfg = SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]),
@@ -150,14 +175,17 @@ def run_scenario(seed: int, num_ops: int) -> Scheduler:
         out = sched.schedule()
         check_plan(sched, out, was_waiting)
         device.run(out)
-        sampled = [rng.randrange(50) if s.samples else None for s in out.scheduled]
+        sampled = [(verified(rng, s) if s.spec_token_ids else rng.randrange(50))
+                   if s.samples else None for s in out.scheduled]
         if out.scheduled and rng.random() < 0.05:  # an abort between dispatch and update
             sched.abort(rng.choice(out.scheduled).request.request_id)
         live = {id(s.request) for s in out.scheduled if not s.request.is_finished}
         changed = sched.update(out, sampled)
         for s, tok in zip(out.scheduled, sampled):
             if s.samples and id(s.request) in live:
-                expected[s.request.request_id].append(tok)
+                got, r = expected[s.request.request_id], s.request
+                got += tok if isinstance(tok, list) else [tok]
+                del got[len(r.output_token_ids):]  # a stop among the verified tokens
         for r in changed:
             assert r.output_token_ids == expected[r.request_id]
             if r.is_finished:
@@ -165,6 +193,8 @@ def run_scenario(seed: int, num_ops: int) -> Scheduler:
                 work.finished(r)
                 stats["finished"] += 1
         check_books(sched, device, order)
+        if speculate:
+            propose(rng, sched)
 
     for i in range(num_ops):
         op = rng.random()
@@ -206,3 +236,11 @@ def test_random_schedules_keep_the_books_straight(seed):
     else:
         assert kvm.prefix_cache_hits == kvm.prefix_cache_queries == 0
         assert sched.allocator.num_cached_pages == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_schedules_with_speculation_keep_the_books_straight(seed):
+    sched = run_scenario(seed, 2000, speculate=True)
+    stats = sched.spec_stats
+    assert stats.num_drafts > 100
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -46,6 +46,8 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that bring none
     max_logprobs: int = 20  # cap on logprobs and prompt_logprobs per token (vLLM's name)
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
+    # speculative decoding, vLLM's keys (JSON text or a dict; core/spec_config.py); None: off
+    speculative_config: str | dict | None = None
     progress: bool = True
 
     @classmethod

@@ -245,17 +245,23 @@ class GrammarMatcher:
         self.bitmask = row
 
 
-def step_bitmask(scheduled, num_rows: int, width: int) -> np.ndarray | None:
-    """int32[R, W] for one step: row i is scheduled[i]'s allowed next tokens when it samples
-    and is constrained (a grammar, or min_tokens not reached: no EOS or stop token yet); the
-    other rows allow everything. None when no row is constrained, so the step sends nothing
-    and the device skips the mask."""
+def step_bitmask(scheduled, num_rows: int, width: int,
+                 rows: list[int] | None = None) -> np.ndarray | None:
+    """int32[R, W] for one step: row rows[i] (default i) is scheduled[i]'s allowed next
+    tokens when it samples and is constrained (a grammar, or min_tokens not reached: no EOS
+    or stop token yet); the other rows allow everything. None when no row is constrained, so
+    the step sends nothing and the device skips the mask. A constrained request verifies no
+    proposed tokens (its mask is known for the next token only)."""
     mask = None
     for i, s in enumerate(scheduled):
         req = s.request
         grammar, banned = req.grammar, _banned_ids(req)
         if not s.samples or (grammar is None and not banned):
             continue
+        if s.spec_token_ids:
+            raise RuntimeError(f"request {req.request_id!r} is constrained and verifies "
+                               "proposed tokens")
+        i = i if rows is None else rows[i]
         if mask is None:
             mask = np.full((num_rows, width), -1, np.int32)
         if grammar is not None:

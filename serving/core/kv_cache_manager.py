@@ -96,6 +96,15 @@ class KVCacheManager:
             self.allocator.cache_page(pages[i], hashes[i])
         self._num_cached[rid] = num_full
 
+    def trim(self, req: Request) -> None:
+        """Gives back the tail pages beyond num_computed_tokens: they held only rejected
+        speculative tokens, so nothing in them is cached or will be read."""
+        pages = self._pages.get(req.request_id)
+        keep = cdiv(req.num_computed_tokens, self.page_size)
+        if pages and len(pages) > keep:
+            self.allocator.free(reversed(pages[keep:]))
+            del pages[keep:]
+
     def free(self, req: Request) -> None:
         """Drops req's references, tail pages first: they are evicted before the head pages,
         which other requests are likelier to share."""

@@ -51,6 +51,9 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic(), for metrics
     first_token_time: float | None = None
     grammar: object | None = None  # core.grammar.GrammarMatcher of a constrained request
+    # Tokens a proposer guesses follow the last one; the next step verifies them (then they
+    # are cleared). Never part of the request's tokens until the target model accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

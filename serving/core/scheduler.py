@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
 from serving.core.request import Request, RequestStatus
 from serving.core.request_checks import RequestRefused, fit_max_tokens
+from serving.core.spec_decode import SpecDecodeStats, check_verified, num_drafts
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,18 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # query tokens this step
+    num_new_tokens: int  # query tokens this step, proposed ones included
     start: int  # position of the first new token (= num_computed_tokens when scheduled)
-    token_ids: list[int]  # all_token_ids[start:start + num_new_tokens]
+    # all_token_ids[start:] up to the last known token, then spec_token_ids
+    token_ids: list[int]
     samples: bool  # the chunk ends at the last known token: its sampled token is a real output
     page_ids: list[int] = field(default_factory=list)  # snapshot of the request's page table
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens it verifies
+
+    @property
+    def num_rows(self) -> int:
+        """Sampled rows: one per proposed token, and one after them (the bonus token)."""
+        return 1 + len(self.spec_token_ids)
 
 
 @dataclass
@@ -69,6 +77,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_prompt_tokens_total = 0  # prompt tokens computed (not those found cached)
         self.num_generation_tokens_total = 0
+        self.spec_stats = SpecDecodeStats()
+        self._spare_rows = 0  # sampled rows this step may still give proposed tokens
         # A request longer than the whole cache could never be scheduled again; stop it there.
         capacity = self.allocator.num_usable_pages * config.page_size
         self._max_len = min(config.max_model_len, capacity + 1)
@@ -109,10 +119,14 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, status, reason)
 
-    def stop_on_string(self, req: Request, stop: str) -> None:
+    def stop_on_string(self, req: Request, stop: str, num_output_tokens: int | None = None
+                       ) -> None:
         """A stop string completed in the request's text. It ends the request with "stop",
         also when the same token ended it another way (max_tokens, EOS): the text ends at the
-        stop string, so that is what is reported, as vLLM does."""
+        stop string, so that is what is reported, as vLLM does. num_output_tokens: the
+        outputs up to the one that completed it; a verifying step's later ones are dropped."""
+        if num_output_tokens is not None:
+            del req.output_token_ids[num_output_tokens:]
         if req.request_id in self.requests:
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
         elif req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
@@ -131,6 +145,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # A step samples at most max_num_seqs rows; every request takes one, proposed
+        # tokens take the rest.
+        self._spare_rows = self.config.max_num_seqs - len(self.running)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Pages just taken from a preempted request should go to the older running ones, not
         # straight back to it as a fresh prefill (vLLM v1 does the same).
@@ -143,18 +160,24 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
-            while not self.kv_cache_manager.allocate_slots(req, n):
+            k = num_drafts(req, n, budget, self._spare_rows, self._max_len)
+            while not self.kv_cache_manager.allocate_slots(req, n + k):
+                if k:  # short of pages: verify nothing before preempting anyone
+                    k = 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
                     return budget  # it was the newest, so nothing after it is left to schedule
-            out.scheduled.append(self._scheduled(req, n))
-            budget -= n
+            out.scheduled.append(self._scheduled(req, n, req.spec_token_ids[:k]))
+            self._spare_rows -= k
+            budget -= n + k
             i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs - self._used_rows(out)):
             req = self.waiting[0]
             hit = self.kv_cache_manager.get_computed_pages(req)
             req.num_computed_tokens = len(hit) * self.config.page_size
@@ -170,6 +193,10 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
 
+    @staticmethod
+    def _used_rows(out: SchedulerOutput) -> int:
+        return sum(len(s.spec_token_ids) for s in out.scheduled)
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
@@ -180,24 +207,29 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache_manager.free(req)  # its cached pages stay findable: recompute may hit
         req.num_computed_tokens = 0  # its output tokens stay; prefill recomputes them
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)  # it arrived before everything still waiting
         out.preempted.append(req)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, spec: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(request=req, num_new_tokens=n, start=start,
-                                token_ids=req.slice_token_ids(start, start + n),
+        req.spec_token_ids = []  # used (or dropped) now: the next step proposes afresh
+        return ScheduledRequest(request=req, num_new_tokens=n + len(spec), start=start,
+                                token_ids=req.slice_token_ids(start, start + n) + list(spec),
                                 samples=start + n == req.num_tokens,
-                                page_ids=list(self.kv_cache_manager.page_ids(req.request_id)))
+                                page_ids=list(self.kv_cache_manager.page_ids(req.request_id)),
+                                spec_token_ids=list(spec))
 
     # -- update -----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: list) -> list[Request]:
         """Applies one step's results. sampled[i] belongs to output.scheduled[i] and is ignored
-        for non-final prefill chunks. Returns the requests that got a token, finished or not."""
+        for non-final prefill chunks; for a request verifying proposed tokens it is the list of
+        tokens the step emitted (accepted proposed ones, then the target's). Returns the
+        requests that got a token, finished or not."""
         if len(sampled) != len(output.scheduled):
             raise ValueError(f"{len(sampled)} sampled tokens for "
                              f"{len(output.scheduled)} scheduled requests")
@@ -209,6 +241,10 @@ class Scheduler:
                 continue
             self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
                                                     sr.num_new_tokens), 0)
+            if sr.spec_token_ids:
+                self._update_verified(sr, list(token))
+                changed.append(req)
+                continue
             req.num_computed_tokens += sr.num_new_tokens
             self.kv_cache_manager.cache_computed(req)
             if not sr.samples:
@@ -218,6 +254,21 @@ class Scheduler:
             self._append_token(req, int(token))
             changed.append(req)
         return changed
+
+    def _update_verified(self, sr: ScheduledRequest, tokens: list[int]) -> None:
+        """Only the accepted positions' K/V count as computed; pages holding nothing but
+        rejected ones go back before any page is cached, so no rejected token is ever
+        findable, and the next step overwrites the rejected slots it keeps."""
+        req = sr.request
+        accepted = check_verified(sr.spec_token_ids, tokens)
+        self.spec_stats.observe(len(sr.spec_token_ids), accepted)
+        req.num_computed_tokens += sr.num_new_tokens - (len(sr.spec_token_ids) - accepted)
+        self.kv_cache_manager.trim(req)
+        for token in tokens:
+            self._append_token(req, int(token))
+            if req.is_finished:
+                return
+        self.kv_cache_manager.cache_computed(req)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)

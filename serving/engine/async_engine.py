@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import SamplingParams
+from serving.core.spec_decode import SpecDecodeStats
 from serving.engine.stats_log import StatsLogger
 
 if TYPE_CHECKING:  # the server's modules stay free of JAX
@@ -41,6 +42,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens found there
     num_prompt_tokens_total: int = 0  # prompt tokens computed
     num_generation_tokens_total: int = 0
+    spec: SpecDecodeStats | None = None  # running totals, when speculation is on
 
 
 class RequestStream:
@@ -171,7 +173,8 @@ class AsyncEngine:
         return EngineStats(s.num_running, s.num_waiting + self._num_unadded, s.kv_cache_usage,
                            s.num_preemptions_total, kvm.prefix_cache_queries,
                            kvm.prefix_cache_hits, s.num_prompt_tokens_total,
-                           s.num_generation_tokens_total)
+                           s.num_generation_tokens_total,
+                           s.spec_stats.snapshot() if self.engine.drafter else None)
 
     def _forget(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)

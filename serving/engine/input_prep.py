@@ -32,6 +32,9 @@ class StepArrays:
     # row is penalised: the runner then passes a -1 array it keeps on the device, so an
     # unpenalised step never sends R x max_model_len entries.
     history: np.ndarray | None = None
+    # The first sampled row of each scheduled request (it has `num_rows` of them: one per
+    # proposed token it verifies, then one)
+    first_rows: list[int] | None = None
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -59,6 +62,9 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
     req_indices = np.full(T, R - 1, np.int32)
     page_table = np.zeros((R, P), np.int32)
     logits_indices = np.zeros(R, np.int32)
+    draft_ids = np.full(R, -1, np.int32)  # the proposed token a row's sample is checked against
+    row_start = np.arange(R, dtype=np.int32)  # the first row of the row's request
+    first_rows = _first_rows(sched, R)
     t = 0
     for i, s in enumerate(sched):
         n = s.num_new_tokens
@@ -69,19 +75,35 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
         positions[t:t + n] = pos
         slots[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
         req_indices[t:t + n] = i
-        logits_indices[i] = t + n - 1
+        r, k = first_rows[i], len(s.spec_token_ids)
+        logits_indices[r:r + k + 1] = np.arange(t + n - 1 - k, t + n)
+        draft_ids[r:r + k] = s.spec_token_ids
+        row_start[r:r + k + 1] = r
         t += n
     batch = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                 req_indices=req_indices, page_table=page_table, logits_indices=logits_indices)
+                 req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
+                 draft_ids=draft_ids, row_start=row_start)
     sampling = _sampling_arrays(out, R)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
     history = (_history(sched, *history_shape((T, R, P), page_size))
                if sampling["any_penalty"] else None)
     targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
-    bitmask = step_bitmask(sched, R, bitmask_width) if bitmask_width else None
+    bitmask = step_bitmask(sched, R, bitmask_width, first_rows) if bitmask_width else None
     sampling["any_masked"] = np.bool_(bitmask is not None)
     return StepArrays((T, R, P), batch, sampling, wants, prompt_targets=targets,
-                      history=history, bitmask=bitmask)
+                      history=history, bitmask=bitmask, first_rows=first_rows)
+
+
+def _first_rows(sched: list[ScheduledRequest], R: int) -> list[int]:
+    rows = np.cumsum([0] + [s.num_rows for s in sched]).tolist()
+    if rows[-1] > R:
+        raise ValueError(f"{rows[-1]} sampled rows do not fit a step of {R} requests")
+    return rows[:-1]
+
+
+def _rows(sched: list[ScheduledRequest]):
+    """(scheduled request, its j-th sampled row) for every sampled row, in row order."""
+    return [(s, j) for s in sched for j in range(s.num_rows)]
 
 
 def padding_step(shape: tuple[int, int, int]) -> StepArrays:
@@ -90,7 +112,8 @@ def padding_step(shape: tuple[int, int, int]) -> StepArrays:
     batch = dict(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
-                 logits_indices=np.zeros(R, np.int32))
+                 logits_indices=np.zeros(R, np.int32), draft_ids=np.full(R, -1, np.int32),
+                 row_start=np.arange(R, dtype=np.int32))
     sampling = _sampling_arrays(SchedulerOutput(), R)
     sampling["any_masked"] = np.bool_(False)
     return StepArrays(shape, batch, sampling, False)
@@ -103,9 +126,9 @@ def history_shape(shape: tuple[int, int, int], page_size: int) -> tuple[int, int
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
-    sched = out.scheduled
-    params = [s.request.sampling_params for s in sched]
-    pad = R - len(sched)
+    rows = _rows(out.scheduled)
+    params = [s.request.sampling_params for s, _ in rows]
+    pad = R - len(rows)
 
     def col(values, dtype, fill):
         return np.asarray(list(values) + [fill] * pad, dtype)
@@ -115,12 +138,12 @@ def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
         top_k=col((p.top_k for p in params), np.int32, 0),
         top_p=col((p.top_p for p in params), np.float32, 1.0),
         min_p=col((p.min_p for p in params), np.float32, 0.0),
-        seed=col((s.request.seed for s in sched), np.uint32, 0),
-        output_index=col((s.request.num_output_tokens for s in sched), np.int32, 0),
+        seed=col((s.request.seed for s, _ in rows), np.uint32, 0),
+        output_index=col((s.request.num_output_tokens + j for s, j in rows), np.int32, 0),
         repetition_penalty=col((p.repetition_penalty for p in params), np.float32, 1.0),
         presence_penalty=col((p.presence_penalty for p in params), np.float32, 0.0),
         frequency_penalty=col((p.frequency_penalty for p in params), np.float32, 0.0),
-        num_prompt=col((s.request.num_prompt_tokens for s in sched), np.int32, 0),
+        num_prompt=col((s.request.num_prompt_tokens for s, _ in rows), np.int32, 0),
     )
     any_penalty = any(p.uses_penalties for p in params)
     any_bias = any(p.logit_bias for p in params)
@@ -148,10 +171,11 @@ def _placeholder(shape: tuple[int, int]) -> np.ndarray:
 
 
 def _history(sched, R: int, S: int) -> np.ndarray:
+    """A row verifying the j-th proposed token sees the j before it as outputs."""
     history = np.full((R, S), -1, np.int32)
-    for i, s in enumerate(sched):
+    for i, (s, j) in enumerate(_rows(sched)):
         if s.request.sampling_params.uses_penalties:
-            tokens = s.request.all_token_ids[:S]
+            tokens = (s.request.all_token_ids + s.spec_token_ids[:j])[:S]
             history[i, :len(tokens)] = tokens
     return history
 

@@ -37,6 +37,9 @@ from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
                                    disable_jax_compilation_cache, gpu_memory_limit)
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.core.spec_config import SpeculativeConfig
+from serving.core.spec_decode import Drafter
+from serving.engine.spec_outputs import emitted_tokens, feed_until_stop
 
 log = logging.getLogger("xlaserve")
 
@@ -70,6 +73,7 @@ class LLMEngine:
                              + ", ".join(KV_CACHE_DTYPES))
         if ec.quantize:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
+        self.speculative_config = SpeculativeConfig.parse(ec.speculative_config)
         if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
@@ -121,6 +125,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
+        self.drafter = self.speculative_config and Drafter(self.speculative_config)
         self.warmup_report: WarmupReport | None = None
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
         self._grammar_compiler: structured.GrammarCompiler | None = None
@@ -175,7 +180,14 @@ class LLMEngine:
                 f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
                 f"-> {len(self.step_shapes)} programs; prefix caching "
                 f"{'on' if self.config.enable_prefix_caching else 'off'}"
+                + (f"; speculative decoding {self._spec_description()}" if self.drafter else "")
                 + (f"; {self.memory_plan.describe()}" if self.memory_plan else ""))
+
+    def _spec_description(self) -> str:
+        c = self.speculative_config
+        return (f"{c.method}, {c.num_speculative_tokens} tokens, lookup "
+                f"{c.prompt_lookup_min}-{c.prompt_lookup_max}, off above "
+                f"{c.disable_by_batch_size} running requests")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
@@ -258,11 +270,12 @@ class LLMEngine:
         result = self.runner.fetch(handle)
         if result.prompt is not None:
             self._collect_prompt_logprobs(out, result)
-        sampled = [int(t) if s.samples else None for s, t in zip(out.scheduled, result.tokens)]
-        changed = self.scheduler.update(out, sampled)
+        changed = self.scheduler.update(out, emitted_tokens(out, arrays.first_rows, result))
         for req, error in structured.advance(self._grammar_compiler, changed):
             outputs.append(self._fail(req.request_id, f"structured output failed: {error}"))
-        row = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        if self.drafter:
+            self.drafter.propose(self.scheduler.running)
+        row = {s.request.request_id: r for s, r in zip(out.scheduled, arrays.first_rows)}
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
 
@@ -337,21 +350,22 @@ class LLMEngine:
         if st.num_emitted == 0 and req.first_scheduled_time is not None:
             queue_time = req.first_scheduled_time - req.arrival_time
         new_ids = req.output_token_ids[st.num_emitted:]
-        st.num_emitted = len(req.output_token_ids)
         if self.faults:
             self.faults.check("detokenize", [req])
-        new_text, stop = st.detokenizer.add(new_ids) if st.detokenizer else ("", None)
+        new_text, stop, new_ids = (feed_until_stop(st.detokenizer, new_ids) if st.detokenizer
+                                   else ("", None, new_ids))
+        st.num_emitted += len(new_ids)
         if stop is not None:
-            self.scheduler.stop_on_string(req, stop)
+            self.scheduler.stop_on_string(req, stop, st.num_emitted)
         elif req.is_finished and st.detokenizer:
             new_text += st.detokenizer.flush()
         new_logprobs = None
         if (k := req.sampling_params.logprobs) is not None:
             new_logprobs = []
-            if new_ids:
-                top = list(zip(result.top_ids[row, :k].tolist(),
-                               result.top_logprobs[row, :k].tolist()))
-                new_logprobs.append(TokenLogprob(new_ids[-1], float(result.logprob[row]), top))
+            for j, token in enumerate(new_ids):  # a verifying step: its rows in order
+                top = list(zip(result.top_ids[row + j, :k].tolist(),
+                               result.top_logprobs[row + j, :k].tolist()))
+                new_logprobs.append(TokenLogprob(token, float(result.logprob[row + j]), top))
         prompt_logprobs = None
         if st.prompt_logprobs is not None:  # the first token: the prefill is done
             prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None

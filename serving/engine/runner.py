@@ -22,6 +22,7 @@ from serving.engine.executable_cache import ExecutableCache, avals_signature
 from serving.engine.input_prep import StepArrays, history_shape
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
                                             prompt_logprobs)
+from serving.engine.rejection_sampler import emitted_rows
 from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample
 
 log = logging.getLogger("xlaserve")
@@ -29,15 +30,24 @@ log = logging.getLogger("xlaserve")
 
 def _step(params, cache, buffers, history, bitmask, *, layout, cfg: ModelConfig, backend: str,
           num_top: int, vocab_size: int):
-    """-> (sampled tokens, the tokens' hidden states in blocks for prompt logprobs, cache)."""
+    """-> (sampled tokens, which rows are outputs (rejection_sampler), the tokens' hidden
+    states in blocks for prompt logprobs, cache)."""
     batch, sampling = _unpack(buffers, layout)
     sampling["history"] = history
-    batch = Batch(**batch)
+    batch, draft_ids, row_start = split_batch(batch)
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
     # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
     logits = compute_logits(params, hidden[batch.logits_indices], cfg)[:, :vocab_size]
     sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
-    return sampled, hidden_blocks(hidden), cache
+    emitted = emitted_rows(sampled.tokens, draft_ids, row_start)
+    return sampled, emitted, hidden_blocks(hidden), cache
+
+
+def split_batch(arrays: dict) -> tuple[Batch, object, object]:
+    """The step's batch arrays -> (the model's Batch, draft_ids, row_start)."""
+    arrays = dict(arrays)
+    draft_ids, row_start = arrays.pop("draft_ids"), arrays.pop("row_start")
+    return Batch(**arrays), draft_ids, row_start
 
 
 # A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
@@ -88,6 +98,7 @@ class WarmupReport:
 @dataclass
 class StepResult:
     tokens: np.ndarray  # i32[R]
+    emitted: np.ndarray | None = None  # bool[R] rows whose token is an output
     logprob: np.ndarray | None = None  # f32[R]
     top_ids: np.ndarray | None = None  # i32[R, K]
     top_logprobs: np.ndarray | None = None
@@ -233,16 +244,18 @@ class ModelRunner:
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
-        out, blocks, self.cache = program(self.params, self.cache, jax.device_put(buffers),
-                                          self._history(arrays), self._bitmask(arrays))
+        out, emitted, blocks, self.cache = program(
+            self.params, self.cache, jax.device_put(buffers), self._history(arrays),
+            self._bitmask(arrays))
         out.tokens.copy_to_host_async()
+        emitted.copy_to_host_async()
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
                 a.copy_to_host_async()
         prompt = None
         if arrays.prompt_targets is not None:
             prompt = (len(arrays.prompt_targets), self._score_prompt(blocks, arrays.prompt_targets))
-        return out, arrays.wants_logprobs, prompt
+        return out, emitted, arrays.wants_logprobs, prompt
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:
@@ -296,12 +309,14 @@ class ModelRunner:
 
     @staticmethod
     def fetch(handle) -> StepResult:
-        out, wants_logprobs, prompt = handle
+        out, emitted, wants_logprobs, prompt = handle
         out: SampleOutput
         prompt = ModelRunner._fetch_prompt(prompt)
+        emitted = np.asarray(emitted)
         if not wants_logprobs:
-            return StepResult(np.asarray(out.tokens), prompt=prompt)
-        return StepResult(*(np.asarray(a) for a in (out.tokens, out.logprob, out.top_ids,
+            return StepResult(np.asarray(out.tokens), emitted, prompt=prompt)
+        return StepResult(np.asarray(out.tokens), emitted,
+                          *(np.asarray(a) for a in (out.logprob, out.top_ids,
                                                     out.top_logprobs)), prompt=prompt)
 
 

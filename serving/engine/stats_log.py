@@ -28,7 +28,26 @@ def format_stats(now: "EngineStats", before: "EngineStats | None", seconds: floa
             f"Avg generation throughput: "
             f"{delta('num_generation_tokens_total') / seconds:.1f} tokens/s, "
             f"KV cache usage: {100 * now.kv_cache_usage:.1f}%, "
-            f"Prefix cache hit rate: {hit_rate}")
+            f"Prefix cache hit rate: {hit_rate}" + _spec_stats(now, before))
+
+
+def _spec_stats(now: "EngineStats", before: "EngineStats | None") -> str:
+    """vLLM's speculative decoding figures over the interval: the share of proposed tokens
+    accepted, tokens per verifying step (accepted + 1) and the rate at each position."""
+    if now.spec is None:
+        return ""
+    prev = before.spec if before is not None and before.spec is not None else None
+    drafts = now.spec.num_drafts - (prev.num_drafts if prev else 0)
+    proposed = now.spec.num_draft_tokens - (prev.num_draft_tokens if prev else 0)
+    accepted = now.spec.num_accepted_tokens - (prev.num_accepted_tokens if prev else 0)
+    if drafts == 0:
+        return ", Spec decode draft acceptance rate: n/a"
+    old = prev.accepted_per_pos if prev else []
+    per_pos = [(n - (old[i] if i < len(old) else 0)) / drafts
+               for i, n in enumerate(now.spec.accepted_per_pos)]
+    return (f", Spec decode draft acceptance rate: {100 * accepted / max(proposed, 1):.1f}%, "
+            f"mean acceptance length: {1 + accepted / drafts:.2f}, per-position acceptance "
+            "rate: " + " ".join(f"{r:.2f}" for r in per_pos))
 
 
 class StatsLogger:

@@ -226,6 +226,7 @@ async def metrics(request: web.Request) -> web.Response:
     state.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
                                    stats.num_preemptions_total,
                                    stats.prefix_cache_queries, stats.prefix_cache_hits)
+    state.metrics.set_spec_decode_stats(stats.spec)
     response = web.Response(body=state.metrics.render())
     response.headers["Content-Type"] = state.metrics.content_type
     return response

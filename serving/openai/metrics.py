@@ -52,6 +52,15 @@ class Metrics:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Request-steps that verified proposed tokens.")
+        self.spec_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens accepted, by position in the proposal.",
+                                     ["model_name", "position"], registry=self.registry)
         self._success = Counter(PREFIX + "request_success_total",
                                 "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
@@ -100,6 +109,17 @@ class Metrics:
         self._advance(self.num_preemptions, "preemptions", preemptions_total)
         self._advance(self.prefix_cache_queries, "queries", prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "hits", prefix_cache_hits)
+
+    def set_spec_decode_stats(self, spec) -> None:
+        """spec: the engine's SpecDecodeStats running totals (None: speculation is off)."""
+        if spec is None:
+            return
+        self._advance(self.spec_num_drafts, "spec_drafts", spec.num_drafts)
+        self._advance(self.spec_num_draft_tokens, "spec_draft_tokens", spec.num_draft_tokens)
+        self._advance(self.spec_num_accepted_tokens, "spec_accepted", spec.num_accepted_tokens)
+        for pos, total in enumerate(spec.accepted_per_pos):
+            self._advance(self._spec_per_pos.labels(self.model_name, str(pos)),
+                          f"spec_pos_{pos}", total)
 
     def _advance(self, counter, name: str, total: int) -> None:
         """The engine reports running totals; a Prometheus counter only moves forward."""
