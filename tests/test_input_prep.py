@@ -45,7 +45,7 @@ def test_mixed_prefill_and_decode_arrays():
     b = arr.batch
     assert {k: v.shape for k, v in b.items()} == {
         "input_ids": (T,), "positions": (T,), "slot_mapping": (T,), "req_indices": (T,),
-        "page_table": (R, P), "logits_indices": (R,)}
+        "page_table": (R, P), "logits_indices": (R,), "draft_ids": (R,), "row_start": (R,)}
     assert all(v.dtype == np.int32 for v in b.values())
     assert b["input_ids"].tolist() == [100, 101, 102, 103, 104, 105, 51, 204, 205, 206, 207, 208,
                                        0, 0, 0, 0]
@@ -58,6 +58,8 @@ def test_mixed_prefill_and_decode_arrays():
     assert b["req_indices"].tolist() == [0] * 6 + [1] + [2] * 5 + [R - 1] * 4
     assert b["page_table"].tolist() == [[3, 7, 0, 0], [5, 2, 0, 0], [9, 1, 4, 0]] + [[0] * 4] * 5
     assert b["logits_indices"].tolist() == [5, 6, 11, 0, 0, 0, 0, 0]
+    assert b["draft_ids"].tolist() == [-1] * R  # nothing to verify
+    assert b["row_start"].tolist() == list(range(R))
     assert arr.wants_logprobs
 
 
@@ -149,3 +151,40 @@ def test_step_shape_rules():
     assert step_shape(one_seq, 20, 3, 1) == (32, 1, 16)
     with pytest.raises(ValueError):
         step_shape(BUCKETS, 33, 1, MAX_SEQS)
+
+
+def test_a_verifying_request_samples_a_row_per_proposed_token_and_one_more():
+    a = scheduled(list(range(100, 110)), [], 0, 10, [3, 7, 8])  # a whole prompt
+    b = scheduled([5, 6, 7, 8, 9], [50, 51], 6, 1, [5, 2, 6],  # decode at 6, verifying 3
+                  SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.1), seed=7)
+    b.spec_token_ids = [60, 61, 62]
+    b.token_ids = b.token_ids + b.spec_token_ids
+    b.num_new_tokens = 4
+    c = scheduled([1, 2, 3], [4], 3, 1, [9])
+    arr = prepare(SchedulerOutput([a, b, c]), BUCKETS, PAGE, MAX_SEQS)
+    assert arr.shape[:2] == (16, 8) and arr.first_rows == [0, 1, 5]
+    bt, sm = arr.batch, arr.sampling
+    assert bt["input_ids"][:15].tolist() == list(range(100, 110)) + [51, 60, 61, 62, 4]
+    assert bt["positions"][10:14].tolist() == [6, 7, 8, 9]
+    assert bt["slot_mapping"][10:14].tolist() == [2 * PAGE + 2, 2 * PAGE + 3, 6 * PAGE,
+                                                   6 * PAGE + 1]
+    assert bt["logits_indices"][:6].tolist() == [9, 10, 11, 12, 13, 14]
+    assert bt["draft_ids"][:6].tolist() == [-1, 60, 61, 62, -1, -1]
+    assert bt["row_start"][:6].tolist() == [0, 1, 1, 1, 1, 5]
+    # Each row is its output position: seed, index and (penalties) the guesses before it.
+    assert sm["output_index"][:6].tolist() == [0, 2, 3, 4, 5, 1]
+    assert sm["seed"][:6].tolist() == [0, 7, 7, 7, 7, 0]
+    assert sm["temperature"][:6].tolist() == pytest.approx([0, 0.8, 0.8, 0.8, 0.8, 0])
+    tokens = [5, 6, 7, 8, 9, 50, 51]
+    for j in range(4):
+        row = arr.history[1 + j]
+        assert row[row >= 0].tolist() == tokens + [60, 61, 62][:j]
+
+
+def test_more_sampled_rows_than_the_step_has_is_an_error():
+    b = scheduled([5, 6, 7, 8, 9], [50, 51], 6, 1, [5, 2, 6])
+    b.spec_token_ids = list(range(60, 69))
+    b.token_ids += b.spec_token_ids
+    b.num_new_tokens = 10
+    with pytest.raises(ValueError, match="sampled rows"):
+        prepare(SchedulerOutput([b]), BUCKETS, PAGE, MAX_SEQS)
