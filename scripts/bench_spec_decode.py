@@ -34,8 +34,9 @@ FREE = ["Write a short story about a lighthouse keeper.",
 def chat(llm: LLM, prompt: str) -> list[int]:
     tok = llm.tokenizer
     if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                       add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
     return tok.encode(prompt)
 
 

@@ -73,7 +73,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
                         '"prompt_lookup_min": 1}\' (and "disable_by_batch_size": off for a '
-                        'step with more running requests; default 8)')
+                        'step with more running requests; default 4)')
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",

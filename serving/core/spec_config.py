@@ -9,7 +9,7 @@ METHODS = ("ngram", "draft_model")
 # Speculation is switched off for a step with more running requests than this: verifying k
 # extra tokens per request stops being nearly free once a step is no longer bound by reading
 # the weights (docs/architecture.md, "Speculative decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MAX_SPECULATIVE_TOKENS = 16
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
