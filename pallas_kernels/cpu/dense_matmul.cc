@@ -15,10 +15,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,19 +33,15 @@ enum class Weights { kF32, kBF16, kF16, kI8, kE4M3, kE5M2 };
 template <Weights W>
 constexpr bool kEightBit = W == Weights::kI8 || W == Weights::kE4M3 || W == Weights::kE5M2;
 
-// float8_e4m3fn (no infinities; 0x7f and 0xff are NaN) by table: 256 floats in L1.
-struct E4M3Table {
-  alignas(64) float v[256];
-  E4M3Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      float x = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if ((b & 0x7f) == 0x7f) x = std::numeric_limits<float>::quiet_NaN();
-      v[b] = b & 0x80 ? -x : x;
-    }
-  }
-};
-const E4M3Table kE4M3;
+// float8_e4m3fn's exponent and mantissa bits, placed as a float16's top bits, give a float16
+// of exactly 2^-8 times the fp8 value, normal or subnormal alike: the kernel sums those and
+// multiplies the channel scales by 256 (exact). The NaN codes 0x7f / 0xff come out as +-480
+// (quantized weights never hold them).
+constexpr float kE4M3Unit = 256.0f;
+
+inline uint16_t E4M3AsHalf(uint8_t c) {
+  return static_cast<uint16_t>((c & 0x80) << 8 | (c & 0x7f) << 7);
+}
 
 // 8 codes (the low 8 bytes of `b`) as float32.
 template <Weights W>
@@ -55,7 +49,10 @@ inline __m256 Widen8(__m128i b) {
   if constexpr (W == Weights::kI8) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   } else if constexpr (W == Weights::kE4M3) {
-    return _mm256_i32gather_ps(kE4M3.v, _mm256_cvtepu8_epi32(b), 4);
+    const __m128i x = _mm_cvtepu8_epi16(b);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_cvtph_ps(h);
   } else {  // float8_e5m2 is the top byte of a float16
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
   }
@@ -76,7 +73,7 @@ inline float Scalar(const void* panel, int64_t i) {
   } else {
     const uint8_t c = static_cast<const uint8_t*>(panel)[i];
     if constexpr (W == Weights::kI8) return float(static_cast<int8_t>(c));
-    if constexpr (W == Weights::kE4M3) return kE4M3.v[c];
+    if constexpr (W == Weights::kE4M3) return _cvtsh_ss(E4M3AsHalf(c));
     return _cvtsh_ss(static_cast<uint16_t>(c << 8));
   }
 }
@@ -117,10 +114,12 @@ inline void LoadNarrow(const void* panel, int64_t k, int64_t width, __m256& w0, 
 }
 
 // A row's `width` outputs, times the channels' scales when there are scales.
-inline void Store(float* y, __m256 a0, __m256 a1, int64_t width, const float* scale) {
+// unit: what the summed codes are in units of (kE4M3Unit for float8_e4m3fn, else 1).
+inline void Store(float* y, __m256 a0, __m256 a1, int64_t width, const float* scale,
+                  float unit) {
   if (scale != nullptr) {
     alignas(32) float s[kNR] = {};
-    std::memcpy(s, scale, width * sizeof(float));
+    for (int64_t j = 0; j < width; ++j) s[j] = scale[j] * unit;
     a0 = _mm256_mul_ps(a0, _mm256_load_ps(s));
     a1 = _mm256_mul_ps(a1, _mm256_load_ps(s + 8));
   }
@@ -141,6 +140,7 @@ void Tile(const float* x, int64_t K, const void* panel, int64_t width, const flo
           float* y, int64_t N) {
   static_assert(R >= 1 && R <= kMaxTile);
   const __m256 z = _mm256_setzero_ps();
+  constexpr float unit = W == Weights::kE4M3 ? kE4M3Unit : 1.0f;
   __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z,
          a41 = z, a50 = z, a51 = z;
 #define XLASERVE_ROW(r)                                        \
@@ -150,7 +150,7 @@ void Tile(const float* x, int64_t K, const void* panel, int64_t width, const flo
     a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1);                 \
   }
 #define XLASERVE_STORE(r) \
-  if constexpr (R > r) Store(y + r * N, a##r##0, a##r##1, width, scale);
+  if constexpr (R > r) Store(y + r * N, a##r##0, a##r##1, width, scale, unit);
   if (width == kNR) {
     for (int64_t k = 0; k < K; ++k) {
       __m256 w0, w1;
