@@ -149,8 +149,8 @@ class Server:
 # Per docs section: the issue whose goals the ratios are held to, and its goals per level
 # (output tok/s, median TTFT, median TPOT).
 RATIO_GOALS = {
-    "side-by-side": ("issue 7", {1: ("", "", " [<= 1.5]"), 16: (" [>= 2]", " [< 1]", ""),
-                                 64: (" [>= 3]", "", "")}),
+    "side-by-side": ("issue 24", {1: ("", "", " [<= 1.0]"), 16: (" [>= 3]", "", ""),
+                                  64: (" [>= 4]", "", "")}),
     "side-by-side-multi-turn": ("issue 18", {16: (" [>= 3]", "", "")}),
 }
 
@@ -270,7 +270,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def paired_ratios(runs: list[dict], conc: int, key: str) -> list[float]:
     """ours / llama.cpp of one metric at one level, one ratio per round: both servers ran that
-    level back to back, so a drift in the machine's speed between rounds cancels out."""
+    level in the same round, so a drift in the machine's speed between rounds cancels out."""
     by = {(r["server"], r["sweep_value"], r["round"]): r for r in runs}
     return [a[key] / b[key] for (s, c, rnd), a in sorted(by.items())
             if s == "ours" and c == conc and (b := by.get(("llama.cpp", c, rnd)))]
@@ -296,8 +296,10 @@ def render_section(runs: list[dict], meta: dict, name: str = "side-by-side",
     rounds = max(r["rounds"] for r in results)
     turns_head = (" TTFT first turns (ms) | TTFT later turns (ms) |"
                   if TURN_METRICS[0] in results[0] else "")
-    how = (f"{rounds} rounds, each level run on every server back to back; each figure is the "
-           "median over the rounds" if rounds > 1 else "one round")
+    turns = ("every server up, each level run on every server back to back"
+             if meta.get("all_up") else "in each round every server alone on the machine in turn")
+    how = (f"{rounds} rounds, {turns}; each figure is the median over the rounds"
+           if rounds > 1 else f"one round, {turns}")
     lines = [begin, "", f"Run {meta['date']} on {meta['machine']}; "
              f"commit {meta['commit']}; {meta['workload']}; {how}; load average "
              f"{meta.get('load_end', 0):.1f} at the end.", "",
@@ -437,6 +439,7 @@ def main(argv=None) -> int:
     if "llama.cpp" in names:
         ensure_llama_server()
     meta = {"date": datetime.date.today().isoformat(), "machine": machine(), "commit": commit(),
+            "all_up": args.all_up,
             "workload": workload(args),
             "commands": {s: shlex.join(server_command(s, args, "PORT", hf_dir)).replace(
                 str(Path.home()), "~").replace(str(ROOT) + "/", "") for s in names}}
