@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -92,11 +93,26 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
+def _rotate(x, cos, rotated, sin):
+    return x * cos + rotated * sin
+
+
+def _rotate_unfused(x, cos, rotated, sin):
+    """The two products kept apart from their sum: XLA:CPU contracts `a * b + c * d` into an
+    FMA in some fusions and not in others, and which one it builds depended on the step's
+    token count, so a key's last bits changed with the batch (docs/architecture.md, "Batch
+    invariance")."""
+    a, b = jax.lax.optimization_barrier((x * cos, rotated * sin))
+    return a + b
+
+
 def apply_rope(x, positions, inv_freq):
-    """x: [T, N, D] rotated by position (the rotate-half layout of transformers)."""
+    """x: [T, N, D] rotated by position (the rotate-half layout of transformers). On CPUs
+    without the FMA contraction XLA chooses per fusion; elsewhere as XLA fuses it."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb)[:, None, :].astype(x.dtype), jnp.sin(emb)[:, None, :].astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return jax.lax.platform_dependent(x, cos, rotated, sin, cpu=_rotate_unfused,
+                                      default=_rotate)

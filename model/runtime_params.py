@@ -61,14 +61,16 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
 
 
 def _pack(params):
-    """Every packable int8 kernel as a PackedQ8 and float kernel as a PackedDense; a tied
-    table (int8 or float) also as the head."""
+    """Every packable int8 kernel as a PackedQ8, and every other float or quantized kernel
+    as a PackedDense; a tied table (int8, fp8 or float) also as the head."""
     def one(path, a):
         if packed.packable(a):
             return packed.pack(a)
-        if path and getattr(path[-1], "key", None) == "kernel" and packed.dense_packable(a):
+        if not (path and getattr(path[-1], "key", None) == "kernel"):
+            return a
+        if packed.dense_packable(a):
             return packed.pack_dense(a)
-        return a
+        return packed.pack_codes(a) if packed.codes_packable(a) else a
     params = jax.tree_util.tree_map_with_path(one, params,
                                               is_leaf=lambda a: isinstance(a, QuantArray))
     if "lm_head" not in params:

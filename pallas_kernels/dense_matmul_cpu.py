@@ -1,11 +1,12 @@
-"""Float-weight matmul on CPUs whose rows are independent of their batch: `x @ w` by our C++
-kernel (cpu/dense_matmul.cc), each output summed over k in ascending order with one FMA per
-k, whatever the number of rows. XLA:CPU's own dot changes its blocking with the row count,
-so the same row came out different in its last bits alone and in a batch.
+"""Matmul on CPUs whose rows are independent of their batch: `x @ w` by our C++ kernel
+(cpu/dense_matmul.cc), each output summed over k in ascending order with one FMA per k,
+whatever the number of rows. XLA:CPU's own dot changes its blocking with the row count, so
+the same row came out different in its last bits alone and in a batch.
 
-The weight (float32, bfloat16 or float16) is packed once, at load, in panels of 16 output
-channels (`pack_panels`); rows are computed in float32 and the result comes back in x's
-dtype.
+The weight (float32, bfloat16 or float16; or 8-bit codes, int8 / float8_e4m3fn /
+float8_e5m2, with one float32 scale per output channel applied after the sum) is packed
+once, at load, in panels of 16 output channels (`pack_panels`); rows are computed in
+float32 and the result comes back in x's dtype.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pallas_kernels import cpu_ffi
 
 PANEL = 16  # output channels per panel
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+CODE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")  # with a scale per output channel
 
 
 def kernel_available() -> bool:
@@ -42,6 +44,13 @@ def unpack_panels(panels):
     return jnp.concatenate([body, flat[K * full:].reshape(K, N - full)], axis=1)
 
 
-def dense_matmul(x, panels):
-    """x: float[..., K] @ w [K, N] (packed) -> [..., N] in x's dtype."""
-    return cpu_ffi.matmul("dense_matmul", x, panels.shape[1], panels)
+def dense_matmul(x, panels, scale=None):
+    """x: float[..., K] @ w [K, N] (packed) -> [..., N] in x's dtype; 8-bit codes need
+    scale, float32[N]: the result is (x @ codes) * scale."""
+    n = panels.shape[1]
+    eight_bit = jnp.dtype(panels.dtype).name in CODE_DTYPES
+    if eight_bit != (scale is not None):
+        raise ValueError(f"{jnp.dtype(panels.dtype).name} weights "
+                         + ("need a scale per output channel" if eight_bit else "take no scale"))
+    scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    return cpu_ffi.matmul("dense_matmul", x, n, panels, scale.reshape(-1))

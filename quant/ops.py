@@ -4,7 +4,8 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
 - int8 or fp8, per output channel (weight-only, W8A16): `x @ convert(values)` accumulated in
   float32, then times the channel scales. The widening convert is what XLA's Triton GEMM
   fusion can absorb, and the scale is an epilogue multiply on [T, out], not on the weight.
-- int8 per output channel, packed for our CPU kernel (quant/packed.py): the kernel.
+- packed for our CPU kernels (quant/packed.py): int8 per output channel by q8_matmul; any
+  other weight, fp8 included (weight-only, scales after the sum), by dense_matmul.
 - fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
   scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
   the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).

@@ -1,7 +1,8 @@
 """Weights laid out for the CPU kernels: PackedQ8, an int8 weight for
 pallas_kernels/q8_matmul_cpu.py (from a QuantArray with one scale per output channel), and
-PackedDense, a float32 / bfloat16 / float16 weight for pallas_kernels/dense_matmul_cpu.py
-(rows independent of their batch).
+PackedDense, for pallas_kernels/dense_matmul_cpu.py (rows independent of their batch): a
+float32 / bfloat16 / float16 weight, or the 8-bit codes and scales of any other QuantArray
+(fp8; int8 in shapes the q8 kernel does not take), computed weight-only.
 
 Made once at load; `quant.ops.matmul` sends them to their kernels. Checkpoints never hold
 them: they are run-time forms, like the joined projections of model/runtime_params.py.
@@ -63,7 +64,8 @@ def matmul(x, w: PackedQ8):
 @jax.tree_util.register_dataclass
 @dataclass
 class PackedDense:
-    panels: jax.Array  # float[in, out], values in panel order (see dense_matmul_cpu)
+    panels: jax.Array  # float or 8-bit [in, out], values in panel order (see dense_matmul_cpu)
+    scale: jax.Array | None = None  # float32[out] for 8-bit codes
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -89,8 +91,22 @@ def pack_dense(w) -> PackedDense:
     return PackedDense(dense_matmul_cpu.pack_panels(w))
 
 
+def codes_packable(w) -> bool:
+    """A concrete [in, out] QuantArray with one scale per output channel or per tensor."""
+    return (isinstance(w, QuantArray) and w.ndim == 2 and dense_packable(w.scale)
+            and not isinstance(w.values, jax.core.Tracer) and w.scale.shape[0] == 1)
+
+
+def pack_codes(w: QuantArray) -> PackedDense:
+    scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (1, w.shape[1])).reshape(-1)
+    return PackedDense(dense_matmul_cpu.pack_panels(w.values), scale)
+
+
 def pack_dense_head(table) -> PackedDense | None:
-    """The tied head [hidden, vocab] from a float embedding table [vocab, hidden], or None."""
+    """The tied head [hidden, vocab] from an embedding table [vocab, hidden] (float, or
+    quantized with one scale per row), or None."""
+    if isinstance(table, QuantArray):
+        return pack_codes(table.T) if codes_packable(table.T) else None
     if not (dense_packable(table) and dense_packable(table.T)):
         return None
     return pack_dense(table.T)
@@ -98,4 +114,4 @@ def pack_dense_head(table) -> PackedDense | None:
 
 def dense_matmul(x, w: PackedDense):
     """x: [..., in] @ w -> [..., out] in x's dtype."""
-    return dense_matmul_cpu.dense_matmul(x, w.panels)
+    return dense_matmul_cpu.dense_matmul(x, w.panels, w.scale)

@@ -46,18 +46,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
                    help="KV cache size in bytes (20GiB, 20GB or 20000000000) instead of what "
                         "--gpu-memory-utilization leaves; default off-GPU: enough for "
-                        "--max-num-seqs full sequences, at most 4 GiB")
+                        "--max-num-seqs full sequences, at most half the memory available")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", *ATTENTION_BACKENDS],
                    help="auto: pallas on a GPU, the C++ kernel (cpu) or blocked elsewhere")
-    p.add_argument("--quantize", "--quantization", dest="quantize", default=None,
-                   metavar="int8|fp8",
+    p.add_argument("--quantize", "--quantization", dest="quantize", default="auto",
+                   metavar="auto|none|int8|fp8",
                    help="quantize an unquantized model's weights as it loads: int8 (per "
                         "channel), fp8 (per tensor, fp8 GEMM) or a recipe such as "
-                        "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none")
+                        "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none. "
+                        "auto (default): the checkpoint's weights, but int8:lm_head for the "
+                        "demo model on a CPU; none: the checkpoint's")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: the model's dtype, a float dtype, or int8 / fp8 "
-                        "with scales")
+                   help="KV cache storage: auto (the model's dtype; float16 for the demo "
+                        "model on a CPU), a float dtype, or int8 / fp8 with scales")
     p.add_argument("--compilation-cache-dir", default=None,
                    help=f"JAX's persistent compilation cache (default: "
                         f"{default_cache_root() / 'jax-cache'}); '' turns it off")

@@ -234,7 +234,7 @@ def test_side_by_side_rewrites_only_its_section(tmp_path):
     sbs.update_doc(doc, sbs.render_section(results, meta))
     text = doc.read_text()
     assert text.count(sbs.BEGIN) == 1 and "notes the lead keeps" in text
-    assert "| 16 | 2.00 [>= 2] | 0.50 [< 1] | 2.00 |" in text  # ours / llama.cpp ratios
+    assert "| 16 | 2.00 [>= 3] | 0.50 | 2.00 |" in text  # ours / llama.cpp ratios
     assert "one round" in text
 
 
@@ -259,7 +259,7 @@ def test_side_by_side_rounds_pair_each_level(tmp_path):
             "commands": {"ours": "x", "llama.cpp": "y"}}
     text = sbs.render_section(runs, meta)
     # 2.00, not 240 / 100: each round's ratio first, then their median
-    assert "| 64 | 2.00 (2.00-3.00) [>= 3] | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) |" in text
+    assert "| 64 | 2.00 (2.00-3.00) [>= 4] | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) |" in text
     assert "| 64 | 64 | ours | 240.0 |" in text and "3 rounds" in text
 
 

@@ -1,5 +1,6 @@
-"""The float-weight CPU kernel (pallas_kernels/cpu/dense_matmul.cc): its products against a
-float64 matmul, and a row's result bit for bit the same whatever rows share the call."""
+"""The batch-invariant CPU matmul (pallas_kernels/cpu/dense_matmul.cc), for float weights and
+for 8-bit codes with channel scales: its products against a float64 matmul, and a row's
+result bit for bit the same whatever rows share the call."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +65,65 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
     if dtype == "float32":
         assert (alone != batched[:1]).any(), "XLA's dot became batch invariant"
 
+
+
+CODES = ["int8", "float8_e4m3fn", "float8_e5m2"]
+
+
+def _codes(K, N, dtype, seed=0):
+    """8-bit codes covering the format's range (every int8 value; fp8 codes from normal
+    draws, so subnormals and large magnitudes occur) and positive channel scales."""
+    rng = np.random.default_rng(seed)
+    if dtype == "int8":
+        codes = jnp.asarray(rng.integers(-128, 128, (K, N)).astype(np.int8))
+    else:
+        codes = jnp.asarray((rng.standard_normal((K, N)) * 40).astype(np.float32)).astype(dtype)
+    return codes, jnp.asarray(rng.uniform(0.001, 0.01, N).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", CODES)
+@pytest.mark.parametrize("T,K,N", [(1, 1, 16), (6, 64, 48), (13, 576, 960), (5, 64, 211),
+                                   (7, 9, 3)])
+def test_codes_with_channel_scales_match_a_float64_matmul(dtype, T, K, N):
+    x = np.random.default_rng(T + K).standard_normal((T, K)).astype(np.float32)
+    codes, scale = _codes(K, N, dtype, seed=K)
+    got = np.asarray(jax.jit(dense_matmul)(jnp.asarray(x), pack_panels(codes), scale))
+    real = np.asarray(codes.astype(jnp.float32), np.float64) * np.asarray(scale, np.float64)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ real, rtol=1e-5,
+                               atol=1e-5 * np.sqrt(K) * float(np.abs(real).max()))
+
+
+def test_every_fp8_code_decodes_as_jax_does():
+    """All 256 codes of each fp8 format, one per output channel (K = 1), and again in the
+    narrow panel (N = 256 + 5): y[0, n] = code_n."""
+    for dtype in CODES[1:]:
+        raw = np.concatenate([np.arange(256), np.arange(251, 256)]).astype(np.uint8)
+        codes = jnp.asarray(raw).view(dtype).reshape(1, -1)
+        got = np.asarray(dense_matmul(jnp.ones((1, 1), jnp.float32), pack_panels(codes),
+                                      jnp.ones((codes.shape[1],), jnp.float32)))
+        want = np.asarray(codes.astype(jnp.float32))
+        if dtype == "float8_e4m3fn":  # its NaN codes decode as +-480 (never quantized to)
+            want = np.where(np.isnan(want), np.where(raw < 128, 480, -480),
+                            want)
+        np.testing.assert_array_equal(got, want, err_msg=dtype)
+
+
+@pytest.mark.parametrize("dtype", CODES)
+def test_codes_rows_do_not_depend_on_their_batch(dtype):
+    K, N = 576, 1544
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, K)).astype(np.float32))
+    codes, scale = _codes(K, N, dtype)
+    panels, run = pack_panels(codes), jax.jit(dense_matmul)
+    full = np.asarray(run(x, panels, scale))
+    for T in (1, 3, 7, 16, 33):
+        for start in (0, 64 - T):
+            np.testing.assert_array_equal(np.asarray(run(x[start:start + T], panels, scale)),
+                                          full[start:start + T], err_msg=f"T={T}")
+
+
+def test_scale_goes_with_codes_only():
+    codes, scale = _codes(8, 16, "int8")
+    with pytest.raises(ValueError, match="need a scale"):
+        dense_matmul(jnp.ones((1, 8)), pack_panels(codes))
+    with pytest.raises(ValueError, match="take no scale"):
+        dense_matmul(jnp.ones((1, 8)), pack_panels(_weights(8, 16, "float32")), scale)

@@ -256,6 +256,26 @@ def test_cpu_kernel_layer_traced_or_static_and_out_of_range_indices():
     assert (np.asarray(out[5]) == 0).all()
 
 
+@pytest.mark.skipif(NATIVE, reason="a CPU path")
+def test_cpu_kernel_token_does_not_depend_on_its_tile_with_a_sliding_window():
+    """The same query tokens, tiled from another first token (as another chunking of the
+    prompt lays them out), give the same bits: with a sliding window a tile's first visible
+    key moves with its first token, and the kernel's key chunks must not move with it."""
+    rng = np.random.default_rng(4)
+    case = random_case(rng, q_lens=[8], ctx_lens=[200], num_tokens=8, num_reqs=1,
+                       pages_per_req=13, num_heads=6, num_kv_heads=2, head_dim=64,
+                       page_size=16)
+    fn = _cpu_fn()
+    for window in (50, 77):
+        args = list(case.args(jnp.int32(window), 0.3))
+        whole = np.asarray(fn(*args))
+        for skip in (1, 2, 3):  # tiles start at the 2nd, 3rd, 4th token instead
+            part = list(args)
+            part[0], part[4], part[5] = args[0][skip:], args[4][skip:], args[5][skip:]
+            np.testing.assert_array_equal(np.asarray(fn(*part)), whole[skip:],
+                                          err_msg=f"window={window} skip={skip}")
+
+
 def test_auto_backend_is_the_cpu_kernel_here():
     from model.attention import resolve_backend
     assert resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "cpu")

@@ -127,13 +127,31 @@ def test_packed_model_equals_unpacked(tied, spec):
     np.testing.assert_allclose(logits(cfg, params), got, rtol=1e-5, atol=1e-5)
 
 
-def test_weights_the_kernel_cannot_take_stay_as_they_are():
+@pytest.mark.parametrize("spec", ["fp8:channel,lm_head", "fp8:lm_head", "int8:lm_head"])
+def test_weights_the_kernel_cannot_take_go_to_the_dense_kernel_as_codes(spec):
+    """fp8 weights, and an int8 head of 97 rows (not whole panels), are not PackedQ8: they
+    run as 8-bit codes with channel scales in the dense kernel, with the logits of the
+    unpacked tree."""
     table = quantize(np.ones((97, 64), np.float32), jnp.int8, axes=(-1,))
     assert pack_head(table) is None  # 97 rows: not whole panels
     cfg = cfg_for(True, vocab=97)
-    params = prepare_params(quantize_params(init_params(cfg), "fp8:channel,lm_head"))
-    assert not packed_leaves(params) and "lm_head" not in params
-    assert isinstance(params["embed"], QuantArray)
+    params = quantize_params(init_params(cfg), spec)
+    run = prepare_params(params)
+    dense = [a for a in jax.tree.leaves(run, is_leaf=lambda a: isinstance(a, PackedDense))
+             if isinstance(a, PackedDense)]
+    int8 = spec.startswith("int8")
+    assert len(packed_leaves(run)) == (4 * cfg.num_layers if int8 else 0)
+    per_layer = 7 if spec.startswith("fp8:lm") else 4  # per-tensor scales are not joined
+    assert len(dense) == (1 if int8 else per_layer * cfg.num_layers + 1)  # + the tied head
+    assert all(d.scale is not None and d.panels.dtype.itemsize == 1 for d in dense)
+    assert isinstance(run["lm_head"]["kernel"], PackedDense)
+    assert isinstance(run["embed"], QuantArray)  # the lookup keeps the table as it is
+    # Weight-only: the model on the dequantized weights (per-tensor fp8 on XLA's path
+    # quantizes the activations too).
+    real = jax.tree.map(lambda a: a.dequantize() if isinstance(a, QuantArray) else a, params,
+                        is_leaf=lambda a: isinstance(a, QuantArray))
+    want = logits(cfg, prepare_params(real, pack=False))
+    np.testing.assert_allclose(logits(cfg, run), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_no_packing_without_the_kernel(monkeypatch):

@@ -223,6 +223,10 @@ void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t k0, int64_t k1, Sc
               &w.q[((kvh - k0) * nq + i) * G * D]);
   }
   if (hi < lo) return;
+  // Chunks start at multiples of kChunk, wherever the tile's first visible key is: a row's
+  // online softmax then rescales at the same keys whatever tokens share its tile (with a
+  // sliding window the tile's first key depends on them), so its result does not either.
+  lo = lo / kChunk * kChunk;
   const int64_t rows_q = nq * (k1 - k0) * G;
   std::fill(w.acc.begin(), w.acc.begin() + rows_q * D, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows_q, -std::numeric_limits<float>::infinity());

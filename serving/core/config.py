@@ -29,13 +29,18 @@ class EngineConfig:
     # activations + the KV cache (vLLM's meaning); the KV cache gets the rest
     gpu_memory_utilization: float = 0.9
     # KV cache size in bytes (an int, or "20GiB"), instead of what gpu_memory_utilization
-    # leaves; None: on GPU that, off-GPU enough for max_num_seqs full sequences, at most 4 GiB
+    # leaves; None: on GPU that, off-GPU enough for max_num_seqs full sequences, at most half
+    # the memory available (serving/engine/sizing.py)
     kv_cache_memory: int | str | None = None
     attention_backend: str = "auto"
-    # Weights: None keeps the checkpoint's (a quantized checkpoint loads quantized); "int8",
-    # "fp8" or a recipe spec (quant/recipe.py) quantizes an unquantized model as it loads.
-    quantize: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), a float dtype, or "int8" / "fp8"
+    # Weights: None or "none" keeps the checkpoint's (a quantized checkpoint loads quantized);
+    # "int8", "fp8" or a recipe spec (quant/recipe.py) quantizes an unquantized model as it
+    # loads; "auto": the checkpoint's, but int8:lm_head for the demo model on a CPU
+    # (serving/engine/demo_defaults.py)
+    quantize: str | None = "auto"
+    # "auto" (the model's dtype; float16 for the demo model on a CPU), a float dtype, or
+    # "int8" / "fp8"
+    kv_cache_dtype: str = "auto"
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None

@@ -21,7 +21,7 @@ from model.checkpoint import param_bytes
 from model.config import KV_CACHE_DTYPES
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization
-from serving.engine import memory_plan, sizing
+from serving.engine import demo_defaults, memory_plan, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
@@ -64,8 +64,10 @@ class _Pending:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
-        ec = self.config = config or EngineConfig.from_kwargs(**kwargs)
+        ec = config or EngineConfig.from_kwargs(**kwargs)
         memory_plan.configure_xla_allocator_if_unstarted(ec.gpu_memory_utilization)
+        on_gpu = jax.default_backend() == "gpu"
+        ec = self.config = demo_defaults.resolve(ec, on_gpu)
         disable_jax_compilation_cache()
         self.attention_backend = resolve_backend(ec.attention_backend)
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -77,7 +79,6 @@ class LLMEngine:
         if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
-        on_gpu = jax.default_backend() == "gpu"
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
         self.cfg, params = load_weights(self.model_dir, ec, dtype)
@@ -111,7 +112,8 @@ class LLMEngine:
                                                   self.memory_plan.num_pages)
         else:
             self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
-            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len)
+            kv_dtype = self.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
+            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, kv_dtype)
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
                                       self.attention_backend)
         self.kv_cache_bytes = self.num_pages * page_bytes

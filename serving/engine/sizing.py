@@ -14,7 +14,9 @@ from serving.core.model_source import resolve_model_source
 from serving.engine import memory_plan
 
 log = logging.getLogger("xlaserve")
-CPU_KV_CACHE_CAP = 4 << 30
+CPU_KV_MEMORY_FRACTION = 0.5  # of the memory available, for the default KV cache off-GPU
+CPU_KV_CACHE_CAP = 4 << 30  # where the memory available is unknown
+GIB = 1 << 30
 CPU_MAX_MODEL_LEN = 2048  # the default cap off-GPU, where long contexts are slow anyway
 
 
@@ -101,18 +103,43 @@ def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: 
     return plan
 
 
-def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int) -> int:
+def available_memory() -> int | None:
+    """Bytes the OS says a new allocation can get without swapping (MemAvailable), or None
+    where /proc/meminfo is missing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str = "") -> int:
     """Off-GPU: pages (sink included) for kv_cache_memory bytes, or by default for
-    max_num_seqs full sequences, at most CPU_KV_CACHE_CAP; at least one full sequence."""
+    max_num_seqs full sequences, at most CPU_KV_MEMORY_FRACTION of the memory available
+    (after the weights loaded); at least one full sequence. Logs the size and why."""
     budget = kv_cache_memory(ec)
-    if budget is None:
-        pages_for_all = ec.max_num_seqs * -(-max_len // ec.page_size)
-        budget = min(CPU_KV_CACHE_CAP, pages_for_all * bytes_per_page)
+    per_seq = -(-max_len // ec.page_size)
+    if budget is not None:
+        why = "kv_cache_memory"
+    else:
+        wanted = ec.max_num_seqs * per_seq * bytes_per_page
+        free = available_memory()
+        cap = int(free * CPU_KV_MEMORY_FRACTION) if free else CPU_KV_CACHE_CAP
+        budget = min(wanted, cap)
+        why = (f"max_num_seqs {ec.max_num_seqs} x max_model_len {max_len}"
+               + (f", capped at {CPU_KV_MEMORY_FRACTION:.0%} of the {free / GIB:.1f} GiB "
+                  "available" if budget < wanted and free else "")
+               + (f", capped at {cap / GIB:.0f} GiB (memory available unknown)"
+                  if budget < wanted and not free else ""))
     pages = int(budget // bytes_per_page)
-    needed = -(-max_len // ec.page_size)
-    if pages < needed:
+    if pages < per_seq:
         raise ValueError(f"a KV cache of {int(budget) >> 20} MiB holds {pages} pages of "
                          f"{ec.page_size} tokens, fewer than one sequence of max_model_len "
-                         f"{max_len} needs ({needed}); raise kv_cache_memory or lower "
+                         f"{max_len} needs ({per_seq}); raise kv_cache_memory or lower "
                          "max_model_len")
+    log.info("KV cache%s: %.2f GiB, %d pages of %d tokens (%d full sequences), for %s",
+             f" ({kv_dtype})" if kv_dtype else "", pages * bytes_per_page / GIB, pages,
+             ec.page_size, pages // per_seq, why)
     return pages + 1

@@ -1,0 +1,139 @@
+"""Batch invariance on the CPU with the default buckets (docs/architecture.md, "Batch
+invariance"): for every weight format we serve, a request gives bit-identical tokens and
+logprobs whether it runs alone (1-token decode programs) or in a batch of mixed prompt
+lengths (chunked prefill, mixed steps, 16- to 512-token programs). A negative control sends
+the float matmuls back to XLA's dot and shows the same comparison then fails."""
+from __future__ import annotations
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from quant import packed
+from serving import LLM, SamplingParams
+from tests.hf_tiny import tiny_hf_model
+
+# Some prompts are longer than the 512-token step budget, so prefill is chunked and steps mix
+# prefill with decode; a long context also spreads the KV over many pages.
+LENGTHS = [3, 700, 17, 40, 5, 560, 90, 1, 33, 260]
+MAX_TOKENS = 8
+# Sizes the kernels take in whole 16-wide panels, so int8 weights run the q8 kernel; the
+# default tiny sizes (hidden 72, vocab 211) leave narrow panels and odd int8 shapes, which
+# go to the dense kernel as codes.
+PANEL_SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                   vocab_size=224)
+MODELS = {  # name -> (family, overrides)
+    "llama": ("llama", {}),
+    "llama-panels": ("llama", PANEL_SIZES),
+    # a window over several 32-key chunks of the CPU kernel, and shorter than most prompts
+    "mistral": ("mistral", {"sliding_window": 50}),
+}
+CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
+    "float32": ("llama", "float32", None),
+    "bfloat16": ("llama", "bfloat16", None),
+    "float16": ("llama", "float16", None),
+    "int8": ("llama", "float32", "int8"),
+    "int8-q8-kernel": ("llama-panels", "float32", "int8"),
+    "fp8": ("llama", "float32", "fp8"),
+    "fp8-channel": ("llama-panels", "float32", "fp8:channel"),
+    "sliding-window": ("mistral", "bfloat16", None),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(model, dtype) -> a checkpoint of that tiny random model with a 2048-token context
+    (the CPU default max_model_len), built on first use."""
+    from model.checkpoint import convert_hf
+    made = {}
+
+    def get(model, dtype):
+        if model not in made:
+            family, overrides = MODELS[model]
+            made[model] = tmp_path_factory.mktemp(f"invariance-{model}")
+            tiny_hf_model(family, made[model], seed=3, max_position_embeddings=2048,
+                          **overrides)
+        out = made[model].with_name(f"{made[model].name}-{dtype}")
+        if not out.exists():
+            convert_hf(made[model], out, dtype, progress=False)
+        return out
+    return get
+
+
+def requests():
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 211) for _ in range(n)] for n in LENGTHS]
+    params = []
+    for i in range(len(prompts)):
+        logprobs = 3 if i % 3 == 0 else None
+        if i % 2:
+            params.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                         logprobs=logprobs))
+        else:
+            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i,
+                                         max_tokens=MAX_TOKENS, ignore_eos=True,
+                                         logprobs=logprobs))
+    return prompts, params
+
+
+def bits(x: float) -> bytes:
+    return np.float64(x).tobytes()
+
+
+def outputs(results):
+    """Tokens and every logprob as exact bits."""
+    out = []
+    for r in results:
+        logprobs = None
+        if r.logprobs is not None:
+            logprobs = [(lp.token_id, bits(lp.logprob), [(t, bits(v)) for t, v in lp.top])
+                        for lp in r.logprobs]
+        out.append((list(r.token_ids), logprobs))
+    return out
+
+
+def kernel_forms(llm) -> set[str]:
+    """The type of every matmul weight ("kernel" leaf) the engine runs with."""
+    from quant.array import QuantArray
+    forms = set()
+
+    def visit(path, leaf):
+        if any(getattr(k, "key", None) == "kernel" for k in path):
+            forms.add(type(leaf).__name__)
+    jax.tree_util.tree_map_with_path(visit, llm.engine.runner.params, is_leaf=lambda a: (
+        isinstance(a, (QuantArray, packed.PackedQ8, packed.PackedDense))))
+    return forms
+
+
+def batched_and_alone(checkpoint, quantize):
+    llm = LLM(str(checkpoint), quantize=quantize, progress=False, compilation_cache_dir=None)
+    prompts, params = requests()
+    batched = outputs(llm.generate(prompts, params))
+    alone = [outputs(llm.generate([p], q))[0] for p, q in zip(prompts, params)]
+    return batched, alone, kernel_forms(llm)
+
+
+def differing(batched, alone):
+    return [i for i, (b, a) in enumerate(zip(batched, alone)) if b != a]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_batched_equals_alone_with_default_buckets(checkpoint, case):
+    model, dtype, quantize = CASES[case]
+    batched, alone, forms = batched_and_alone(checkpoint(model, dtype), quantize)
+    # Every matmul runs one of the invariant kernels; int8 the q8 one where shapes allow.
+    assert forms <= {"PackedQ8", "PackedDense"}
+    assert ("PackedQ8" in forms) == (case == "int8-q8-kernel")
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in batched)
+    assert differing(batched, alone) == []
+
+
+def test_negative_control_xla_dot_breaks_invariance(checkpoint, monkeypatch):
+    """With the float matmuls on XLA's dot, whose sums depend on the number of rows, some
+    request's tokens or logprobs change when batched: the comparison above can fail."""
+    monkeypatch.setattr(packed, "dense_kernel_available", lambda: False)
+    batched, alone, forms = batched_and_alone(checkpoint("llama", "bfloat16"), None)
+    assert forms == {"ArrayImpl"}
+    assert differing(batched, alone) != []
