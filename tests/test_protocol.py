@@ -275,6 +275,7 @@ class Stats:
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: object = None  # speculative decoding off
 
 
 class FakeEngine:
