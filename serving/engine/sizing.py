@@ -128,11 +128,11 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
         free = available_memory()
         cap = int(free * CPU_KV_MEMORY_FRACTION) if free else CPU_KV_CACHE_CAP
         budget = min(wanted, cap)
-        why = (f"max_num_seqs {ec.max_num_seqs} x max_model_len {max_len}"
-               + (f", capped at {CPU_KV_MEMORY_FRACTION:.0%} of the {free / GIB:.1f} GiB "
-                  "available" if budget < wanted and free else "")
-               + (f", capped at {cap / GIB:.0f} GiB (memory available unknown)"
-                  if budget < wanted and not free else ""))
+        why = f"max_num_seqs {ec.max_num_seqs} x max_model_len {max_len}"
+        if budget < wanted:
+            why += (f", capped at {CPU_KV_MEMORY_FRACTION:.0%} of the {free / GIB:.1f} GiB "
+                    "available" if free else
+                    f", capped at {cap / GIB:.0f} GiB (memory available unknown)")
     pages = int(budget // bytes_per_page)
     if pages < per_seq:
         raise ValueError(f"a KV cache of {int(budget) >> 20} MiB holds {pages} pages of "
