@@ -16,7 +16,9 @@
 // contiguous load, and vpmaddwd multiplies them by a broadcast pair (x[k], x[k + 1]).
 // Panels are split over XLA's intra-op threads; within a panel, tiles of up to 6 rows each
 // widen the int8 weights to int16 in registers (as fast as reading a panel widened once
-// into memory, which this kernel did before).
+// into memory, which this kernel did before). Where the compiler targets AVX-512 VNNI
+// (-march=native on such a CPU) the tiles are vpdpwssd ones of up to 16 rows (TileVnni),
+// which give the same bits about 1.5x faster.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,6 +31,12 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define XLASERVE_Q8_VNNI 1
+#else
+#define XLASERVE_Q8_VNNI 0
+#endif
 
 namespace {
 
@@ -145,6 +153,90 @@ void Tile(const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
 #undef XLASERVE_EMIT
 }
 
+#if XLASERVE_Q8_VNNI
+// With AVX-512 VNNI, one vpdpwssd does a row's vpmaddwd and vpaddd for all 16 columns of a
+// panel, its pair of x broadcast from memory: one instruction per row and pair of k where
+// the AVX2 tile issues five, so the multiply units, not the issue of the adds and
+// broadcasts, set the pace. Tiles of up to 16 rows (measured faster than 12, 18, 20 or
+// 24) let each widened weight serve almost three times as many rows. The integer sums are
+// the same, and so is the float arithmetic after them (Emit, lane by lane): y is the same
+// to the bit.
+constexpr int64_t kMaxTileVnni = 16;
+
+// xt: the tile's R rows as pairs of k, pair-major (xt[(k / 2) * R + r] holds row r's x[k]
+// and x[k + 1]), so a step of k reads its R broadcasts at fixed offsets from one pointer.
+// A vpdpwssd waits for the one before it on the same sums (4 cycles or more), so a tile of
+// few rows keeps C sets of sums, each taking every C-th pair of k, and adds them at the end
+// of a block: at least 8 chains in flight. Integer sums come out the same in any order.
+template <int R>
+void TileVnni(const int32_t* xt, const float* xs, int64_t K, const int8_t* panel,
+              const float* scale, float* y, int64_t N) {
+  constexpr int C = R >= 8 ? 1 : R >= 4 ? 2 : 4;
+  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+  __m512i acc[C][R];
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = std::min(K, k0 + kBlock);
+#pragma GCC unroll 16
+    for (int i = 0; i < C * R; ++i) acc[i / R][i % R] = _mm512_setzero_si512();
+    const int32_t* xp = xt + (k0 / 2) * R;
+    int64_t k = k0;
+    for (; k + 2 * C <= k1; k += 2 * C, xp += C * R) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m512i w = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (k + 2 * c) * kNR)));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+          acc[c][r] = _mm512_dpwssd_epi32(acc[c][r], w, _mm512_set1_epi32(xp[c * R + r]));
+      }
+    }
+    for (; k < k1; k += 2, xp += R) {  // the pairs of k left over: into the first set
+      const __m512i w = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kNR)));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        acc[0][r] = _mm512_dpwssd_epi32(acc[0][r], w, _mm512_set1_epi32(xp[r]));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512i a = acc[0][r];
+#pragma GCC unroll 4
+      for (int c = 1; c < C; ++c) a = _mm512_add_epi32(a, acc[c][r]);
+      Emit(y + r * N, _mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1), xs[r], s0,
+           s1, k0 == 0);
+    }
+  }
+}
+
+template <int R>
+void TileVnniOf(int64_t rows, const int32_t* xt, const float* xs, int64_t K,
+                const int8_t* panel, const float* scale, float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return TileVnniOf<R - 1>(rows, xt, xs, K, panel, scale, y, N);
+  }
+  TileVnni<R>(xt, xs, K, panel, scale, y, N);
+}
+
+// Rows [r0, r1) of xq [T, K] into xt, tile by tile (the tiles Panel cuts T into), each
+// tile's rows pair-major: a tile reads its x as one contiguous stream.
+void PairMajor(const int16_t* xq, int64_t r0, int64_t r1, int64_t T, int64_t K, int32_t* xt) {
+  xlaserve::EvenTiles(T, kMaxTileVnni, [&](int64_t t0, int64_t n) {
+    int32_t* tile = xt + t0 * (K / 2);
+    for (int64_t r = std::max(r0, t0); r < std::min(r1, t0 + n); ++r) {
+      const int16_t* q = xq + r * K;
+      for (int64_t k = 0; k < K; k += 2) std::memcpy(tile + (k / 2) * n + (r - t0), q + k, 4);
+    }
+  });
+}
+
+// Rows [0, T) against one panel, in tiles of at most kMaxTileVnni rows as even as can be.
+void Panel(int64_t T, const int32_t* xt, const float* xs, int64_t K, const int8_t* panel,
+           const float* scale, float* y, int64_t N) {
+  xlaserve::EvenTiles(T, kMaxTileVnni, [&](int64_t r, int64_t n) {
+    TileVnniOf<kMaxTileVnni>(n, xt + r * (K / 2), xs + r, K, panel, scale, y + r * N, N);
+  });
+}
+#else
 void TileOf(int64_t rows, const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
             const float* scale, float* y, int64_t N) {
   switch (rows) {
@@ -157,13 +249,14 @@ void TileOf(int64_t rows, const int16_t* xq, const float* xs, int64_t K, const i
   }
 }
 
-// Rows [0, T) against one panel, in tiles of at most 6 rows as even as can be.
+// Rows [0, T) against one panel, in tiles of at most kMaxTile rows as even as can be.
 void Panel(int64_t T, const int16_t* xq, const float* xs, int64_t K, const int8_t* panel,
            const float* scale, float* y, int64_t N) {
   xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
     TileOf(n, xq + r * K, xs + r, K, panel, scale, y + r * N, N);
   });
 }
+#endif
 
 ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                     ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
@@ -190,13 +283,23 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (xs.size() < static_cast<size_t>(T)) xs.resize(T);
   int16_t* xqp = xq.data();
   float* xsp = xs.data();
+#if XLASERVE_Q8_VNNI
+  thread_local std::vector<int32_t> xt;
+  if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
+  int32_t* xrows = xt.data();
+#else
+  int16_t* xrows = xqp;
+#endif
   xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
     QuantizeRows(xp, r0, r1, K, xqp, xsp);
+#if XLASERVE_Q8_VNNI
+    PairMajor(xqp, r0, r1, T, K, xrows);
+#endif
   }, /*grain=*/std::max<int64_t>(1, 8192 / K));
 
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      Panel(T, xqp, xsp, K, wp + p * K * kNR, sp + p * kNR, yp + p * kNR, N);
+      Panel(T, xrows, xsp, K, wp + p * K * kNR, sp + p * kNR, yp + p * kNR, N);
   }, /*grain=*/8);  // 8 panels a claim: fewer than 4 shared cache lines between threads' y
   return ffi::Error::Success();
 }
