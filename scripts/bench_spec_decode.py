@@ -1,9 +1,13 @@
-"""Speculative decoding's time per output token: speculation off vs on (n-gram lookup), one
-stream and a few batch sizes, on input-grounded prompts (repeat or edit a given text) and on
-free text. Greedy, offline API; prints a Markdown table.
+"""Speculative decoding's time per output token: speculation off vs on (n-gram lookup or a
+draft model), one stream and a few batch sizes, on input-grounded prompts (repeat or edit a
+given text) and on free text. Greedy, offline API; prints a Markdown table.
+disable_by_batch_size is the default unless given, so a batch above it measures what
+speculation costs when it has switched itself off.
 
-    python scripts/bench_spec_decode.py                         # the demo model
+    python scripts/bench_spec_decode.py                         # the demo model, n-gram
     python scripts/bench_spec_decode.py --batch 1,4,8,16 --max-tokens 128 --k 4
+    python scripts/bench_spec_decode.py --method draft_model    # the demo drafting for itself
+    python scripts/bench_spec_decode.py --method draft_model --draft DIR --batch 1,64
 """
 from __future__ import annotations
 
@@ -59,18 +63,32 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--lookup-max", type=int, default=3)
     ap.add_argument("--lookup-min", type=int, default=1)
+    ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+    ap.add_argument("--draft", default=None,
+                    help="draft_model: its folder (default: the model itself)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="default: the engine's")
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--sets", default="input-grounded,free text")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    spec = dict(method="ngram", num_speculative_tokens=args.k,
-                prompt_lookup_max=args.lookup_max, prompt_lookup_min=args.lookup_min,
-                disable_by_batch_size=max(batches))
     off = LLM(args.model, progress=False)
+    spec = dict(method=args.method, num_speculative_tokens=args.k)
+    if args.method == "ngram":
+        spec.update(prompt_lookup_max=args.lookup_max, prompt_lookup_min=args.lookup_min)
+        how = f"lookup {args.lookup_min}-{args.lookup_max}"
+    else:
+        spec["model"] = args.draft or str(off.engine.model_dir)
+        how = f"draft {spec['model']}"
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     on = LLM(args.model, progress=False, speculative_config=spec)
     sets = {"input-grounded": [chat(off, p) for p in GROUNDED],
             "free text": [chat(off, p) for p in FREE]}
-    print(f"k={args.k}, lookup {args.lookup_min}-{args.lookup_max}, greedy, "
+    sets = {name: sets[name] for name in args.sets.split(",")}
+    print(f"{args.method}, k={args.k}, {how}, off above "
+          f"{on.engine.speculative_config.disable_by_batch_size} running requests, greedy, "
           f"{args.max_tokens} tokens\n")
     print("| prompts | batch | TPOT off ms | TPOT on ms | speed-up | acceptance |")
     print("|---|---:|---:|---:|---:|---:|")
