@@ -79,7 +79,7 @@ def test_ngram_proposer_matches_a_brute_force_lookup():
     ('{"method": "ngram"', "not valid JSON"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method"),
     ('{"method": "ngram", "num_speculative_tokens": -1}', "positive integer"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4}', "exceeds"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}', "exceeds"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key"),
     ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}', "does not exist"),
     ('"ngram"', "JSON object"),

@@ -23,8 +23,11 @@ _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int  # k: tokens proposed per request per step
-    prompt_lookup_max: int = 3  # ngram: the longest suffix looked up
-    prompt_lookup_min: int = 1  # ngram: the shortest
+    # ngram: the longest and shortest suffix looked up. A one-token suffix recurs all the
+    # time in free text and proposes mostly wrong tokens: 2-4 measured best
+    # (docs/benchmarks.md, "Speculative decoding").
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: its folder (same tokenizer, same page size)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 

@@ -38,12 +38,14 @@ from model.kv_cache import KVCache, bytes_per_page
 from model.runtime_params import prepare_params
 from model.transformer import compute_logits, forward_hidden
 from serving.core.buckets import Buckets
-from serving.core.draft_proposer import DraftRow
+from serving.core.draft_proposer import DraftProposer, DraftRow
 from serving.core.model_source import resolve_model_source
+from serving.core.spec_config import SpeculativeConfig
 from serving.engine.executable_cache import (ExecutableCache, avals_signature, load_or_compile,
                                              program_for)
 from serving.engine.input_prep import SINK_SLOT
 from serving.engine.model_files import load_tokenizer, load_weights
+from serving.engine.sizing import resolve_dtype
 
 log = logging.getLogger("xlaserve")
 
@@ -133,6 +135,18 @@ class DraftModel:
         self.max_rows = 1
 
     @classmethod
+    def for_config(cls, spec: SpeculativeConfig | None, ec, on_gpu: bool, target_tokenizer,
+                   vocab_size: int, backend: str, executable_dir: str | None
+                   ) -> "DraftModel | None":
+        """The draft model of a draft_model config (None for none or n-gram)."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        dtype = resolve_dtype(ec.dtype, resolve_model_source(spec.model), on_gpu)
+        return cls.load(spec.model, ec, dtype, target_tokenizer, vocab_size,
+                        k=spec.num_speculative_tokens, backend=backend,
+                        executable_dir=executable_dir)
+
+    @classmethod
     def load(cls, model: str, ec, dtype: str | None, target_tokenizer, vocab_size: int,
              *, k: int, backend: str, executable_dir: str | None) -> "DraftModel":
         """Checks the draft against the target (before its weights load), then loads it with
@@ -153,6 +167,15 @@ class DraftModel:
             raise ValueError(f"the draft model {self.model_dir} has a context of "
                              f"{self.cfg.max_position_embeddings} tokens, shorter than "
                              f"max_model_len {max_model_len}; lower max_model_len")
+
+    def proposer(self, spec: SpeculativeConfig, scheduler, num_pages: int, buckets: Buckets,
+                 max_num_seqs: int) -> DraftProposer:
+        """Checks the context, allocates the cache (the target's number of pages) and
+        returns the host-side proposer that calls `run`."""
+        self.check_max_len(scheduler.config.max_model_len)
+        self.allocate(num_pages, buckets, min(spec.disable_by_batch_size, max_num_seqs))
+        return DraftProposer(spec.num_speculative_tokens, scheduler.kv_cache_manager, self.run,
+                             max(buckets.tokens), scheduler.max_len)
 
     def allocate(self, num_pages: int, buckets: Buckets, max_rows: int) -> None:
         """The KV cache (the target's number of pages) and the shapes a call can take."""

@@ -40,8 +40,6 @@ from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
-from serving.core.draft_proposer import DraftProposer
-from serving.core.model_source import resolve_model_source
 from serving.engine.draft_model import DraftModel
 from serving.engine.spec_outputs import emitted_tokens, feed_until_stop
 
@@ -97,7 +95,9 @@ class LLMEngine:
         self.quantization = describe_quantization(params)
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
                                if ec.compilation_cache_dir else None)
-        self.draft = self._load_draft(ec, on_gpu)
+        self.draft = DraftModel.for_config(self.speculative_config, ec, on_gpu, self.tokenizer,
+                                           self.vocab_size, self.attention_backend,
+                                           self.executable_dir)
         # A draft model's cache has a page for every page of the target's: sized together.
         page_bytes = (bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
                       + (self.draft.page_bytes if self.draft else 0))
@@ -132,8 +132,10 @@ class LLMEngine:
             model_key=model_key(self.model_dir, ec)))
         self.runner.allocate_kv_cache(self.num_pages)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
-        self.drafter = self.speculative_config and Drafter(self.speculative_config,
-                                                           self._draft_proposer())
+        self.drafter = self.speculative_config and Drafter(
+            self.speculative_config, self.draft and self.draft.proposer(
+                self.speculative_config, self.scheduler, self.num_pages, self.buckets,
+                ec.max_num_seqs))
         self._states: dict[str, _State] = {}  # by the sample's own request id
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
@@ -142,27 +144,6 @@ class LLMEngine:
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
         self._grammar_compiler: structured.GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
-
-    def _load_draft(self, ec: EngineConfig, on_gpu: bool) -> DraftModel | None:
-        c = self.speculative_config
-        if c is None or c.method != "draft_model":
-            return None
-        dtype = sizing.resolve_dtype(ec.dtype, resolve_model_source(c.model), on_gpu)
-        return DraftModel.load(c.model, ec, dtype, self.tokenizer, self.vocab_size,
-                               k=c.num_speculative_tokens, backend=self.attention_backend,
-                               executable_dir=self.executable_dir)
-
-    def _draft_proposer(self) -> DraftProposer | None:
-        """The draft model's proposer, its cache sized like the target's (None: n-gram)."""
-        if self.draft is None:
-            return None
-        self.draft.check_max_len(self.max_model_len)
-        self.draft.allocate(self.num_pages, self.buckets,
-                            min(self.speculative_config.disable_by_batch_size,
-                                self.config.max_num_seqs))
-        return DraftProposer(self.speculative_config.num_speculative_tokens,
-                             self.scheduler.kv_cache_manager, self.draft.run,
-                             max(self.buckets.tokens), self.scheduler.max_len)
 
     @property
     def grammar_compiler(self) -> structured.GrammarCompiler:
