@@ -141,7 +141,8 @@ def test_seeded_sampling_is_the_same_with_a_draft_model(tiny_off, tiny_on):
     assert pages_all_free(tiny_on)
 
 
-def test_preempted_requests_keep_their_tokens_with_a_draft_model(tiny_model, tiny_draft):  # noqa: F811
+def test_preempted_requests_keep_their_tokens_with_a_draft_model(tiny_model,  # noqa: F811
+                                                                   tiny_draft):
     cfg = ModelConfig.from_dir(tiny_model[1])
     page = 2 * bytes_per_page(cfg, PREEMPT_OPTIONS["page_size"])  # target and draft caches
     options = dict(PREEMPT_OPTIONS, kv_cache_memory=PREEMPT_PAGES * page)
