@@ -74,8 +74,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
-                        '"prompt_lookup_min": 1}\' (and "disable_by_batch_size": off for a '
-                        'step with more running requests; default 4)')
+                        '"prompt_lookup_min": 1}\' or \'{"method": "draft_model", "model": '
+                        'DIR, "num_speculative_tokens": 3}\' (and "disable_by_batch_size": off '
+                        'for a step with more running requests; default 4)')
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",

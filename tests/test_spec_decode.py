@@ -5,6 +5,7 @@ tiny random model and the demo model; rejection sampling keeps the target distri
 nothing compiles after warm-up. docs/architecture.md, "Speculative decoding"."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import partial
 
@@ -78,9 +79,9 @@ def test_ngram_proposer_matches_a_brute_force_lookup():
     ('{"method": "ngram"', "not valid JSON"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method"),
     ('{"method": "ngram", "num_speculative_tokens": -1}', "positive integer"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4}', "exceeds"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}', "exceeds"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}', "not supported"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}', "does not exist"),
     ('"ngram"', "JSON object"),
 ])
 def test_bad_speculative_configs_are_clear_errors(bad, message):
@@ -289,32 +290,67 @@ def test_speculation_is_off_above_the_batch_size(tiny_model):  # noqa: F811
     assert all(k == 0 for running, k in steps if running > 2)
 
 
-def test_sampled_token_frequencies_match_without_speculation(tiny_off, tiny_on):
-    """Three tokens per seed at temperature 1 (top-k 4), many seeds, speculation on vs off on
-    different seeds: the second and third tokens (the verified row and the one after it)
-    have the same frequencies (chi-square). Each likely first token t appears at the start
-    of the prompt followed by the argmax after t, so the lookup proposes a likely token.
-    The tiny model's sliding window keeps the prompt's start out of the last token's view."""
+def frequency_prompt(tiny_off: LLM) -> list[int]:
+    """Each likely first token t appears at the start of the prompt followed by the argmax
+    after t, so the lookup proposes a likely token. The tiny model's sliding window keeps
+    the prompt's start out of the last token's view."""
     rng = random.Random(6)
     base = [rng.randrange(100, 211) for _ in range(30)]
     top = run(tiny_off, [base], greedy(1, logprobs=4))[0].logprobs[0].top
     firsts = [t for t, _ in top]
     follow = [r.token_ids[0] for r in run(tiny_off, [base + [t] for t in firsts], greedy(1))]
-    prompt = [x for pair in zip(firsts, follow) for x in pair] + base
-    n = 600
+    return [x for pair in zip(firsts, follow) for x in pair] + base
 
-    def draws(llm, seeds):
-        params = [SamplingParams(temperature=1.0, top_k=4, seed=s, max_tokens=3,
-                                 ignore_eos=True) for s in seeds]
-        return [r.token_ids for r in run(llm, [prompt] * n, params)]
 
+N_DRAWS = 600
+
+
+def draws(llm: LLM, prompt: list[int], seeds) -> list[list[int]]:
+    params = [SamplingParams(temperature=1.0, top_k=4, seed=s, max_tokens=3, ignore_eos=True)
+              for s in seeds]
+    return [r.token_ids for r in run(llm, [prompt] * len(params), params)]
+
+
+def test_sampled_token_frequencies_match_without_speculation(tiny_off, tiny_on):
+    """Three tokens per seed at temperature 1 (top-k 4), many seeds, speculation on vs off on
+    different seeds: the second and third tokens (the verified row and the one after it)
+    have the same frequencies (chi-square)."""
+    prompt, n = frequency_prompt(tiny_off), N_DRAWS
     before = accepted(tiny_on)
-    off, on = draws(tiny_off, range(n)), draws(tiny_on, range(n, 2 * n))
+    off, on = draws(tiny_off, prompt, range(n)), draws(tiny_on, prompt, range(n, 2 * n))
     drafts, _, kept = (a - b for a, b in zip(accepted(tiny_on), before))
     assert drafts >= n // 2 and kept >= n // 10, (drafts, kept)
     for i in (1, 2):
         assert two_sample_p([t[i] for t in off], [t[i] for t in on]) > 1e-3
     assert two_sample_p([tuple(t[1:]) for t in off], [tuple(t[1:]) for t in on]) > 1e-3
+
+
+def test_a_wrong_acceptance_rule_fails_the_engine_frequency_test(tiny_model, tiny_off,  # noqa: F811
+                                                                  monkeypatch):
+    """The test above, with an engine whose step takes a rejected guess anyway when the
+    target's draw has an odd id (the guess is then accepted more often than p(d)): the
+    second token's frequencies differ."""
+    import serving.engine.runner as runner
+
+    right = runner._step
+
+    def wrong_step(params, cache, buffers, history, bitmask, *, layout, **kwargs):
+        sampled, _, blocks, cache = right(params, cache, buffers, history, bitmask,
+                                          layout=layout, **kwargs)
+        batch, _ = runner._unpack(buffers, layout)
+        drafts, tokens = batch["draft_ids"], sampled.tokens
+        tokens = jnp.where((drafts >= 0) & (tokens != drafts) & (tokens % 2 == 1), drafts,
+                           tokens)
+        return (dataclasses.replace(sampled, tokens=tokens),
+                emitted_rows(tokens, drafts, batch["row_start"]), blocks, cache)
+
+    monkeypatch.setattr(runner, "_step", wrong_step)
+    wrong = LLM(str(tiny_model[1]), speculative_config=SPEC, compilation_cache_dir=None,
+                **TINY_OPTIONS)
+    prompt, n = frequency_prompt(tiny_off), N_DRAWS
+    off, bad = draws(tiny_off, prompt, range(n)), draws(wrong, prompt, range(n, 2 * n))
+    assert accepted(wrong)[2] >= n // 10
+    assert two_sample_p([t[1] for t in off], [t[1] for t in bad]) < 1e-6
 
 
 # -- the demo model ----------------------------------------------------------------------------

@@ -299,6 +299,11 @@ class Scheduler:
     # -- introspection ----------------------------------------------------------------------
 
     @property
+    def max_len(self) -> int:
+        """The longest a request may grow: max_model_len, or what the whole cache holds."""
+        return self._max_len
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

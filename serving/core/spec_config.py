@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
+
+from serving.core.model_source import is_model_id
 
 METHODS = ("ngram", "draft_model")
 # Speculation is switched off for a step with more running requests than this: verifying k
@@ -20,9 +23,12 @@ _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int  # k: tokens proposed per request per step
-    prompt_lookup_max: int = 3  # ngram: the longest suffix looked up
-    prompt_lookup_min: int = 1  # ngram: the shortest
-    model: str | None = None  # draft_model: its folder
+    # ngram: the longest and shortest suffix looked up. A one-token suffix recurs all the
+    # time in free text and proposes mostly wrong tokens: 2-4 measured best
+    # (docs/benchmarks.md, "Speculative decoding").
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: its folder (same tokenizer, same page size)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
@@ -67,7 +73,9 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config: 'model' is for method draft_model, not ngram")
         if self.method == "draft_model":
-            if not self.model:
-                raise ValueError("speculative_config: method draft_model needs 'model'")
-            raise ValueError("speculative_config: method draft_model is not supported yet; "
-                             "use method ngram")
+            if not self.model or not isinstance(self.model, str):
+                raise ValueError("speculative_config: method draft_model needs 'model', the "
+                                 "draft model's folder")
+            if not (Path(self.model).expanduser().is_dir() or is_model_id(self.model)):
+                raise ValueError(f"speculative_config: the draft model folder {self.model!r} "
+                                 "does not exist")

@@ -63,10 +63,12 @@ class Drafter:
     bound by reading the weights pays for every verified token), none for a constrained
     request (structured output, or min_tokens not reached: its bitmask covers one position)."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, proposer=None):
+        """proposer: anything with propose(requests) setting their spec_token_ids (the
+        draft model's, serving/core/draft_proposer.py); default: n-gram lookup."""
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose(self, running: list[Request]) -> None:
         if len(running) > self.config.disable_by_batch_size:

@@ -50,7 +50,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 _CODE = ("model", "pallas_kernels", "quant", "serving/engine/runner.py",
          "serving/engine/sampler.py", "serving/engine/prompt_logprobs.py",
          "serving/engine/rejection_sampler.py", "serving/engine/token_bitmask.py",
-         "serving/engine/executable_cache.py")
+         "serving/engine/draft_model.py", "serving/engine/executable_cache.py")
 
 
 @functools.cache
@@ -180,6 +180,31 @@ class ExecutableCache:
         log.warning("compiled-program cache: %s entry %s (%s); compiling it again", kind,
                     path.name, why)
         return None
+
+
+def load_or_compile(executables: ExecutableCache | None, lower, args, shape, layout
+                    ) -> tuple[object, bool]:
+    """(program, loaded): from the cache when it has one for these arguments, else
+    lower().compile() (lower is called on a miss only), saved there. No cache: compiled."""
+    program = executables.load(shape, layout, args) if executables else None
+    if program is not None:
+        return program, True
+    program = lower().compile()
+    if executables:
+        executables.save(shape, layout, program)
+    return program, False
+
+
+def program_for(compiled: dict, shape, layout, what: str):
+    """compiled: shape -> (program, layout) made at warm-up. The program for `shape`, checked
+    to take arguments laid out as `layout`."""
+    entry = compiled.get(shape)
+    if entry is None:
+        raise RuntimeError(f"{what} shape {shape} was not compiled at warm-up")
+    program, expected = entry
+    if layout != expected:
+        raise RuntimeError(f"{what} arrays of shape {shape} do not match its program")
+    return program
 
 
 @functools.cache

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -39,6 +40,7 @@ from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
+from serving.engine.draft_model import DraftModel
 from serving.engine.spec_outputs import emitted_tokens, feed_until_stop
 
 log = logging.getLogger("xlaserve")
@@ -91,11 +93,16 @@ class LLMEngine:
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
-        page_bytes = bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
-        # The stored tree is consumed here: the device holds the weights once before the
-        # KV cache is sized and allocated.
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
                                if ec.compilation_cache_dir else None)
+        self.draft = DraftModel.for_config(self.speculative_config, ec, on_gpu, self.tokenizer,
+                                           self.vocab_size, self.attention_backend,
+                                           self.executable_dir)
+        # A draft model's cache has a page for every page of the target's: sized together.
+        page_bytes = (bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
+                      + (self.draft.page_bytes if self.draft else 0))
+        # The stored tree is consumed here: the device holds the weights once before the
+        # KV cache is sized and allocated.
         self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
@@ -105,8 +112,10 @@ class LLMEngine:
         self.memory_plan = None
         limit = gpu_memory_limit()
         if limit:
-            self.memory_plan = sizing.gpu_plan(ec, self.cfg, page_bytes, self.weight_bytes,
-                                               limit, self._activation_peak)
+            self.memory_plan = sizing.gpu_plan(
+                ec, self.cfg, page_bytes,
+                self.weight_bytes + (self.draft.weight_bytes if self.draft else 0), limit,
+                self._activation_peak)
             log.info("%s", self.memory_plan.describe())
             self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
                                                   self.memory_plan.num_pages)
@@ -123,11 +132,14 @@ class LLMEngine:
             model_key=model_key(self.model_dir, ec)))
         self.runner.allocate_kv_cache(self.num_pages)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
+        self.drafter = self.speculative_config and Drafter(
+            self.speculative_config, self.draft and self.draft.proposer(
+                self.speculative_config, self.scheduler, self.num_pages, self.buckets,
+                ec.max_num_seqs))
         self._states: dict[str, _State] = {}  # by the sample's own request id
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._seeds = random.Random(ec.seed)
-        self.drafter = self.speculative_config and Drafter(self.speculative_config)
         self.warmup_report: WarmupReport | None = None
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
         self._grammar_compiler: structured.GrammarCompiler | None = None
@@ -163,6 +175,11 @@ class LLMEngine:
         says 200). Records the phases in `timings`."""
         report = self.runner.warmup([padding_step(s) for s in self.step_shapes],
                                     self.config.progress)
+        if self.draft:  # counted with the others
+            draft = self.draft.warmup(workers=os.cpu_count() or 1)
+            report.seconds += draft.seconds
+            report.loaded += draft.loaded
+            report.wall += draft.wall
         self.warmup_report = report
         self.timings["compile/load"] = report.wall
         started = time.perf_counter()
@@ -187,8 +204,10 @@ class LLMEngine:
 
     def _spec_description(self) -> str:
         c = self.speculative_config
-        return (f"{c.method}, {c.num_speculative_tokens} tokens, lookup "
-                f"{c.prompt_lookup_min}-{c.prompt_lookup_max}, off above "
+        how = (f"lookup {c.prompt_lookup_min}-{c.prompt_lookup_max}" if self.draft is None
+               else f"draft model {self.draft.model_dir} ({self.draft.cfg.architecture}, "
+                    f"{len(self.draft.shapes)} programs)")
+        return (f"{c.method}, {c.num_speculative_tokens} tokens, {how}, off above "
                 f"{c.disable_by_batch_size} running requests")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -18,7 +18,8 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
 from model.transformer import compute_logits, forward_hidden
-from serving.engine.executable_cache import ExecutableCache, avals_signature
+from serving.engine.executable_cache import (ExecutableCache, avals_signature, load_or_compile,
+                                             program_for)
 from serving.engine.input_prep import StepArrays, history_shape
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
                                             prompt_logprobs)
@@ -176,13 +177,7 @@ class ModelRunner:
 
     def _load_or_compile(self, lower, args, shape, layout) -> tuple[object, bool]:
         """lower: () -> the program lowered for `args`, called on a cache miss only."""
-        program = self.executables and self.executables.load(shape, layout, args)
-        if program is not None:
-            return program, True
-        program = lower().compile()
-        if self.executables:
-            self.executables.save(shape, layout, program)
-        return program, False
+        return load_or_compile(self.executables, lower, args, shape, layout)
 
     def compile(self, shape: tuple[int, int, int], example: StepArrays) -> tuple[float, bool]:
         """Loads the program of one bucket shape from the executable cache, or traces,
@@ -237,13 +232,8 @@ class ModelRunner:
 
     def dispatch(self, arrays: StepArrays):
         """Launches one step without waiting for it; returns a handle for `fetch`."""
-        compiled = self._compiled.get(arrays.shape)
-        if compiled is None:
-            raise RuntimeError(f"step shape {arrays.shape} was not compiled at warm-up")
-        program, layout = compiled
-        buffers, got = _pack(arrays)
-        if got != layout:
-            raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
+        buffers, layout = _pack(arrays)
+        program = program_for(self._compiled, arrays.shape, layout, "step")
         out, emitted, blocks, self.cache = program(
             self.params, self.cache, jax.device_put(buffers), self._history(arrays),
             self._bitmask(arrays))
