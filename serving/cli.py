@@ -76,6 +76,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
                         '"prompt_lookup_min": 1}\' (and "disable_by_batch_size": off for a '
                         'step with more running requests; default 4)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over the first N devices (tensor parallel; N must "
+                        "divide the query heads, start-up lists the sizes that work)")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -134,6 +137,7 @@ def _engine_config(args) -> EngineConfig:
                   seed=args.seed, max_logprobs=args.max_logprobs,
                   enable_prefix_caching=args.enable_prefix_caching,
                   speculative_config=args.speculative_config,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off

@@ -39,6 +39,12 @@ def test_vllm_flag_names():
         "auto", 0.9, None)
 
 
+def test_tensor_parallel_size_as_vllm_names_it():
+    assert parse("serve", "m", "--tensor-parallel-size", "4").tensor_parallel_size == 4
+    assert parse("serve", "m", "-tp", "2").tensor_parallel_size == 2
+    assert parse("serve", "m").tensor_parallel_size == 1
+
+
 def test_kv_cache_memory_is_bytes_and_a_fraction_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse("serve", "m", "--kv-cache-memory", "0.5")

@@ -53,6 +53,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
     # speculative decoding, vLLM's keys (JSON text or a dict; core/spec_config.py); None: off
     speculative_config: str | dict | None = None
+    # devices one model is split over (tensor parallel, docs/architecture.md): the first N
+    tensor_parallel_size: int = 1
     progress: bool = True
 
     @classmethod
