@@ -21,7 +21,7 @@ from model.checkpoint import param_bytes
 from model.config import KV_CACHE_DTYPES
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization
-from serving.engine import demo_defaults, memory_plan, mesh, sizing
+from serving.engine import demo_defaults, memory_plan, mesh, multiprocess, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
@@ -66,6 +66,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = config or EngineConfig.from_kwargs(**kwargs)
         memory_plan.configure_xla_allocator_if_unstarted(ec.gpu_memory_utilization)
+        # Before anything starts JAX's backends: one runtime over every process.
+        self.cluster = multiprocess.initialize(ec.coordinator_address, ec.num_processes,
+                                               ec.process_id)
         on_gpu = jax.default_backend() == "gpu"
         ec = self.config = demo_defaults.resolve(ec, on_gpu)
         disable_jax_compilation_cache()
@@ -79,7 +82,8 @@ class LLMEngine:
         if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
-        mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size)
+        mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
+                                        every_device=self.cluster is not None)
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
         self.cfg, params = load_weights(self.model_dir, ec, dtype)
@@ -122,6 +126,9 @@ class LLMEngine:
             kv_dtype = self.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
             self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, kv_dtype,
                                               devices=self.placement.size)
+        if self.cluster is not None:
+            self.max_model_len, self.num_pages = multiprocess.agree(self.max_model_len,
+                                                                    self.num_pages)
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
                                       self.attention_backend)
         self.kv_cache_bytes = self.num_pages * page_bytes * self.placement.size
@@ -184,6 +191,8 @@ class LLMEngine:
         started = time.perf_counter()
         self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0])))
         self.timings["first step"] = time.perf_counter() - started
+        if self.cluster is not None and self.cluster.is_leader:  # from now on, steps are sent
+            self.runner.step_sink = self.cluster.send_step
         log.info("warm-up phases: %s", ", ".join(f"{k} {v:.1f} s"
                                                  for k, v in self.timings.items()))
         return report

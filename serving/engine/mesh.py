@@ -178,9 +178,15 @@ def log_devices(where, params, cache) -> None:
                      where.model_cfg.num_heads)
 
 
-def check_tensor_parallel_size(model_dir, n: int) -> None:
+def check_tensor_parallel_size(model_dir, n: int, every_device: bool = False) -> None:
     """Before any weight loads: a size the model does not split into, or more devices than
-    there are, is an error naming the sizes that work."""
+    there are, is an error naming the sizes that work. every_device: several processes,
+    whose devices all hold a part of the model."""
+    if every_device and n != jax.device_count():
+        raise sharding.TensorParallelError(
+            f"with several processes the model is split over all {jax.device_count()} "
+            f"devices ({jax.local_device_count()} in this process): tensor_parallel_size "
+            f"must be {jax.device_count()}, got {n}")
     if n == 1:
         return
     sharding.check_size(ModelConfig.from_dir(model_dir), n, len(jax.devices()))

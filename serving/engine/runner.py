@@ -120,6 +120,9 @@ class ModelRunner:
                  placement=None):
         self.cfg = cfg
         self.placement = placement or SingleDevice(cfg)
+        # Called with every step's arrays before it runs: a leader process hands them to its
+        # followers (serving/engine/multiprocess.py).
+        self.step_sink = None
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
         self.vocab_size = vocab_size or cfg.vocab_size
@@ -246,6 +249,8 @@ class ModelRunner:
         if compiled is None:
             raise RuntimeError(f"step shape {arrays.shape} was not compiled at warm-up")
         program, layout = compiled
+        if self.step_sink is not None:
+            self.step_sink(arrays)
         buffers, got = _pack(arrays)
         if got != layout:
             raise RuntimeError(f"step arrays of shape {arrays.shape} do not match its program")
