@@ -229,6 +229,8 @@ def main(argv=None) -> int:
         return engine.cluster.serve(engine.runner)
     if args.command == "warmup":
         engine.warmup()
+        if engine.cluster is not None:
+            engine.cluster.stop()  # the followers exit 0 too
         print(f"xlaserve: {warmup_summary(engine)}; {time.perf_counter() - started:.1f} s in "
               "all", flush=True)
         return 0
