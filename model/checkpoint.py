@@ -113,7 +113,7 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
     if recipe:
         abstract = abstract_quantized(abstract, recipe)
     # With a sharding, orbax restores straight into device arrays rather than numpy.
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                             abstract)
     with ocp.StandardCheckpointer() as ckptr:

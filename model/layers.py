@@ -59,8 +59,15 @@ class RMSNorm(nn.Module):
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
+def reduce_shards(x, axis: str | None):
+    """A row-parallel projection's partial sums, added over the tensor-parallel axis (the
+    one all-reduce of o_proj and of down_proj); None: one device, nothing to add."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
+    axis: str | None = None  # tensor parallel: the mesh axis down_proj's partial sums meet on
 
     @nn.compact
     def __call__(self, x):
@@ -71,7 +78,7 @@ class MLP(nn.Module):
             gate, up = jnp.split(lin(2 * n, "gate_up_proj")(x), 2, axis=-1)
         else:
             gate, up = lin(n, "gate_proj")(x), lin(n, "up_proj")(x)
-        return lin(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+        return reduce_shards(lin(cfg.hidden_size, "down_proj")(nn.silu(gate) * up), self.axis)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

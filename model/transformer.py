@@ -14,13 +14,15 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
 from model.runtime_params import prepare_params
+from model.sharding import embed_vocab_parallel
 from model.layers import (MLP, Linear, RMSNorm, apply_rope, embed, matmul, matmul_t,
-                          rope_inv_freq)
+                          reduce_shards, rope_inv_freq)
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
     backend: str
+    axis: str | None = None  # tensor parallel: the mesh axis o_proj's partial sums meet on
 
     @nn.compact
     def __call__(self, x, cache: KVCache, layer, window, batch: Batch):
@@ -46,21 +48,23 @@ class Attention(nn.Module):
         out = paged_attention(q, cache, layer, batch, window, cfg.head_dim ** -0.5, self.backend)
         out = Linear(cfg.hidden_size, cfg.o_bias, cfg.dtype, name="o_proj")(
             out.reshape(T, cfg.q_size))
-        return out, cache
+        return reduce_shards(out, self.axis), cache
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     backend: str
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x, cache: KVCache, layer: int, window, batch: Batch):
         cfg = self.cfg
         h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x)
-        h, cache = Attention(cfg, self.backend, name="attn")(h, cache, layer, window, batch)
+        attn = Attention(cfg, self.backend, self.axis, name="attn")
+        h, cache = attn(h, cache, layer, window, batch)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_norm")(x)
-        x = x + MLP(cfg, name="mlp")(h)
+        x = x + MLP(cfg, self.axis, name="mlp")(h)
         return x, cache
 
 
@@ -75,14 +79,20 @@ def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str
 
 
 def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
-                   backend: str = "reference"):
+                   backend: str = "reference", axis: str | None = None):
     """-> (hidden [T, hidden_size] before the final norm, new cache): every token's last
     residual stream, for callers that need more than one row's logits (prompt logprobs).
     The layers are unrolled, each reading its own weights and its slice of the cache at a
-    static layer index."""
+    static layer index.
+
+    axis: inside shard_map, the tensor-parallel mesh axis; params, cache and cfg are then
+    this shard's (model/sharding.py) and the hidden states come out whole on every shard."""
     params = prepare_params(params)
-    x = embed(params["embed"], batch.input_ids, cfg.dtype)
-    layer = DecoderLayer(cfg, backend)
+    if axis is None:
+        x = embed(params["embed"], batch.input_ids, cfg.dtype)
+    else:
+        x = embed_vocab_parallel(params["embed"], batch.input_ids, cfg.dtype, axis)
+    layer = DecoderLayer(cfg, backend, axis)
     windows = cfg.sliding_windows or (0,) * cfg.num_layers
     for i in range(cfg.num_layers):
         x, cache = layer.apply({"params": params["layers"][i]}, x, cache, i,
@@ -90,14 +100,17 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
     return x, cache
 
 
-def compute_logits(params, hidden, cfg: ModelConfig):
-    """hidden: [N, hidden_size] from forward_hidden -> logits float32[N, V]."""
+def compute_logits(params, hidden, cfg: ModelConfig, axis: str | None = None):
+    """hidden: [N, hidden_size] from forward_hidden -> logits float32[N, V]. axis: the
+    tensor-parallel mesh axis: each shard's vocabulary rows, gathered."""
     params = prepare_params(params)
     x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, hidden)
     if "lm_head" not in params:  # tied, and not packed apart by prepare_params
         logits = matmul_t(x, params["embed"])
     else:
         logits = matmul(x, params["lm_head"]["kernel"])
+    if axis is not None:
+        logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :cfg.vocab_size]
     return logits.astype(jnp.float32)
 
 

@@ -57,6 +57,8 @@ def parse_args():
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--quantize", default=None, help="weight recipe, e.g. int8 / fp8")
     p.add_argument("--kv-cache-dtype", default=None, help="auto / int8 / fp8")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many devices")
     p.add_argument("--default-sizing", action="store_true",
                    help="the engine's own KV cache sizing (the memory plan), not the batch's")
     p.add_argument("--compilation-cache-dir", default="",
@@ -97,6 +99,9 @@ def engine_config(args, model_dir: Path):
         extra["quantize"] = args.quantize
     if args.kv_cache_dtype:
         extra["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tensor_parallel_size > 1:  # one device's share of a page
+        from model.sharding import local_config
+        cfg = local_config(cfg, args.tensor_parallel_size)
     page_bytes = bytes_per_page(cfg, page_size, *([args.kv_cache_dtype] if args.kv_cache_dtype
                                                   else []))
     if not args.default_sizing:
@@ -107,6 +112,7 @@ def engine_config(args, model_dir: Path):
         max_model_len=args.max_model_len, max_num_batched_tokens=budget, page_size=page_size,
         token_buckets=tokens, request_buckets=tuple(sorted(set(args.batch_sizes) | {max_seqs})),
         page_buckets=(max_pages,), compilation_cache_dir=args.compilation_cache_dir,
+        tensor_parallel_size=args.tensor_parallel_size,
         progress=False, **extra)
 
 
@@ -144,11 +150,12 @@ def run_batch(engine, batch: int, args, rng) -> dict:
 
 
 def streamed_weight_bytes(engine) -> int:
-    """Weight bytes one decode step reads: all but the embedding table (a few rows of it)."""
+    """Weight bytes one decode step reads on one device: all but the embedding table (a few
+    rows of it; tensor parallel, the device's share of it)."""
     cfg = engine.cfg
     embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * \
         np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
-    return engine.weight_bytes - embed
+    return engine.device_weight_bytes() - embed // engine.placement.size
 
 
 def build(args, model_dir: Path):
@@ -178,7 +185,8 @@ def main() -> int:
         (Path(tmp) / "config.json").write_text(json.dumps(TINY if args.tiny else LLAMA_8B))
         emit(f"# bench_decode on {jax.devices()[0].device_kind}: building the "
              f"{'tiny' if args.tiny else 'Llama-3.1-8B-shaped'} engine "
-             f"(attention {args.attention_backend})")
+             f"(attention {args.attention_backend}, tensor parallel "
+             f"{args.tensor_parallel_size})")
         failures = 0
         engine = None
         try:
@@ -230,7 +238,7 @@ def main() -> int:
             if not r["decode_steps"]:
                 emit(f"# batch {batch}: no step ran the whole batch (raise --output-len)")
             kv_read = batch * r["mean_context"] * engine.kv_cache_bytes / (
-                (engine.num_pages) * engine.config.page_size)
+                engine.num_pages * engine.config.page_size * engine.placement.size)
             step_bound_ms = 1e3 * (streamed + kv_read) / bw
             pct = 100 * step_bound_ms / r["step_ms"]
             emit(f"{batch} | {r['decode_steps']} | {r['step_ms']:.2f} | {r['tok_per_s']:.1f} | "

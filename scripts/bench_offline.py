@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--quantize", default=None, help="as `xlaserve serve --quantize`")
     p.add_argument("--kv-cache-dtype", default="auto", help="as `xlaserve serve --kv-cache-dtype`")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices to split the model over")
     return p.parse_args(argv)
 
 
@@ -57,7 +59,8 @@ def engine_config(args, max_num_seqs: int) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   token_buckets=args.token_buckets, page_buckets=args.page_buckets,
-                  quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, progress=False)
+                  quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, progress=False,
+                  tensor_parallel_size=args.tensor_parallel_size)
     if args.compilation_cache_dir:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return EngineConfig(**kwargs)

@@ -14,6 +14,8 @@
 #   quant-hlo          20 s  the GEMM XLA chose for int8 / fp8 weights (8B MLP shape)
 #   serve-8b           65 s  `python -m serving serve` on that model: /health, one streamed
 #                            completion
+#   tensor-parallel    90 s  (after engine-8b-warm) only with more than one GPU: the 8B-shaped engine at TP=1 and at
+#                            TP=N (N = the GPUs, at most 8), decode tok/s at batch 1/64
 # Each part runs under `timeout` (its budget, cut to what is left of the pass); a part that
 # fails or times out is reported and the others still run. One table: $1, else
 # $OUT/gpu_check.txt if OUT is set, else ./gpu_check.txt; printed at the end.
@@ -102,6 +104,18 @@ DECODE=("$PY" scripts/bench_decode.py "${SHAPE[@]}" --default-sizing --prompt-le
 run engine-8b-cold 100 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 64 \
   --max-seconds 85
 run engine-8b-warm 35 "${DECODE[@]}" --batch-sizes "$BATCHES" --warmup-only
+
+# Tensor parallelism needs GPUs to split over; with one GPU nothing runs (not even a line).
+NUM_GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU")
+if [ "$NUM_GPUS" -gt 1 ]; then
+  TP=8
+  while [ "$TP" -gt "$NUM_GPUS" ]; do TP=$((TP / 2)); done  # 32 heads, 8 KV heads: 2, 4, 8
+  for n in 1 "$TP"; do
+    run "tensor-parallel-$n" 45 "$PY" scripts/bench_decode.py "${SHAPE[@]}" \
+      --tensor-parallel-size "$n" --batch-sizes 1,64 --prompt-len 128 --output-len 32 \
+      --max-model-len 1024 --max-seconds 40 --out "$TABLE"
+  done
+fi
 
 run quant-hlo 20 "$PY" -m quant.hlo "${HLO_ARGS[@]}" --out "$TABLE"
 

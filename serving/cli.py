@@ -77,6 +77,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 1}\' or \'{"method": "draft_model", "model": '
                         'DIR, "num_speculative_tokens": 3}\' (and "disable_by_batch_size": off '
                         'for a step with more running requests; default 4)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over the first N devices (tensor parallel; N must "
+                        "divide the query heads, start-up lists the sizes that work)")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="several processes, one model: process 0's address (jax.distributed; "
+                        "the step channel uses PORT+1 too)")
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="processes sharing the model (each runs this command)")
+    p.add_argument("--process-id", type=int, default=0,
+                   help="this process's rank; 0 serves HTTP and schedules, the others run "
+                        "its steps")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -135,6 +146,9 @@ def _engine_config(args) -> EngineConfig:
                   seed=args.seed, max_logprobs=args.max_logprobs,
                   enable_prefix_caching=args.enable_prefix_caching,
                   speculative_config=args.speculative_config,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  coordinator_address=args.coordinator_address,
+                  num_processes=args.num_processes, process_id=args.process_id,
                   token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off
@@ -209,8 +223,15 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"xlaserve: {engine.describe()}", flush=True)
+    if engine.cluster is not None and not engine.cluster.is_leader:
+        engine.warmup()
+        print(f"xlaserve: process {args.process_id} ready, running process 0's steps",
+              flush=True)
+        return engine.cluster.serve(engine.runner)
     if args.command == "warmup":
         engine.warmup()
+        if engine.cluster is not None:
+            engine.cluster.stop()  # the followers exit 0 too
         print(f"xlaserve: {warmup_summary(engine)}; {time.perf_counter() - started:.1f} s in "
               "all", flush=True)
         return 0
@@ -221,6 +242,8 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
     from serving.openai.api_server import run_server
     from serving.engine.async_engine import AsyncEngine
     async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
+    if engine.cluster is not None:  # a follower gone: fail what is in flight, then exit 1
+        engine.cluster.on_lost.append(async_engine.fail_everything)
     name = args.served_model_name or (_model(args) or "SmolLM2-135M-Instruct")
     chat_template, tool_call_parser = chat
     server = asyncio.create_task(run_server(
@@ -249,6 +272,8 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
         async_engine.shutdown()
+        if engine.cluster is not None:
+            engine.cluster.stop()
 
 
 def warmup_summary(engine) -> str:

@@ -39,6 +39,27 @@ def test_vllm_flag_names():
         "auto", 0.9, None)
 
 
+def test_tensor_parallel_size_as_vllm_names_it():
+    assert parse("serve", "m", "--tensor-parallel-size", "4").tensor_parallel_size == 4
+    assert parse("serve", "m", "-tp", "2").tensor_parallel_size == 2
+    assert parse("serve", "m").tensor_parallel_size == 1
+
+
+def test_several_processes_flags_as_jax_distributed_names_them():
+    from serving.engine.multiprocess import DistributedConfigError, check
+    ec = parse("serve", "m", "--coordinator-address", "10.0.0.1:9876", "--num-processes", "2",
+               "--process-id", "1")
+    assert (ec.coordinator_address, ec.num_processes, ec.process_id) == ("10.0.0.1:9876", 2, 1)
+    assert check(ec.coordinator_address, ec.num_processes, ec.process_id) == ("10.0.0.1", 9876)
+    assert check(None, 1, 0) is None
+    for args, error in (((None, 2, 0), "needs --coordinator-address"),
+                        (("h:1", 2, 2), r"process_id must be in 0\.\.1"),
+                        (("nohost", 2, 0), "HOST:PORT"), (("h:1", 0, 0), "positive"),
+                        (("h:1", 1, 0), "need --num-processes of 2")):
+        with pytest.raises(DistributedConfigError, match=error):
+            check(*args)
+
+
 def test_kv_cache_memory_is_bytes_and_a_fraction_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse("serve", "m", "--kv-cache-memory", "0.5")

@@ -53,6 +53,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
     # speculative decoding, vLLM's keys (JSON text or a dict; core/spec_config.py); None: off
     speculative_config: str | dict | None = None
+    # devices one model is split over (tensor parallel, docs/architecture.md): the first N
+    tensor_parallel_size: int = 1
+    # several processes, one model (jax.distributed's names; serving/engine/multiprocess.py):
+    # process 0's HOST:PORT, how many processes, and this one's id (0 serves HTTP)
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
     progress: bool = True
 
     @classmethod

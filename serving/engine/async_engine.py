@@ -229,6 +229,20 @@ class AsyncEngine:
         for callback in self.on_dead:
             callback()
 
+    def fail_everything(self, reason: str) -> None:
+        """From another thread, when the engine thread may never return (a step stuck in a
+        collective with a process that is gone): every stream gets the error and the
+        server is told the engine is dead; the engine's own state is left alone."""
+        with self._wake:
+            self.dead = reason
+            self.ready = False
+            self._commands.clear()
+            streams = list(self._streams)
+        for request_id in streams:
+            self._deliver(request_id, EngineDeadError(f"the engine is dead: {reason}"))
+        for callback in self.on_dead:
+            callback()
+
     def _run(self) -> None:
         while True:
             with self._wake:

@@ -134,6 +134,12 @@ class DraftModel:
         self.buckets: Buckets | None = None
         self.max_rows = 1
 
+    @staticmethod
+    def check_devices(spec: SpeculativeConfig | None, tensor_parallel_size: int) -> None:
+        if spec and spec.method == "draft_model" and tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method draft_model runs on one device; "
+                             "with --tensor-parallel-size > 1 use method ngram")
+
     @classmethod
     def for_config(cls, spec: SpeculativeConfig | None, ec, on_gpu: bool, target_tokenizer,
                    vocab_size: int, backend: str, executable_dir: str | None

@@ -22,7 +22,7 @@ from model.checkpoint import param_bytes
 from model.config import KV_CACHE_DTYPES
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization
-from serving.engine import demo_defaults, memory_plan, sizing
+from serving.engine import demo_defaults, memory_plan, mesh, multiprocess, sizing
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
@@ -68,6 +68,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         ec = config or EngineConfig.from_kwargs(**kwargs)
         memory_plan.configure_xla_allocator_if_unstarted(ec.gpu_memory_utilization)
+        # Before anything starts JAX's backends: one runtime over every process.
+        self.cluster = multiprocess.initialize(ec.coordinator_address, ec.num_processes,
+                                               ec.process_id)
         on_gpu = jax.default_backend() == "gpu"
         ec = self.config = demo_defaults.resolve(ec, on_gpu)
         disable_jax_compilation_cache()
@@ -81,6 +84,9 @@ class LLMEngine:
         if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
+        mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
+                                        every_device=self.cluster is not None)
+        DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
         self.cfg, params = load_weights(self.model_dir, ec, dtype)
@@ -93,13 +99,17 @@ class LLMEngine:
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
+        self.placement = mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype)
+        # Not for a mesh yet: its programs are compiled at every start.
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
-                               if ec.compilation_cache_dir else None)
+                               if ec.compilation_cache_dir and self.placement.size == 1
+                               else None)
         self.draft = DraftModel.for_config(self.speculative_config, ec, on_gpu, self.tokenizer,
                                            self.vocab_size, self.attention_backend,
                                            self.executable_dir)
-        # A draft model's cache has a page for every page of the target's: sized together.
-        page_bytes = (bytes_per_page(self.cfg, ec.page_size, ec.kv_cache_dtype)
+        # One device's share: a tensor-parallel device holds its KV heads of every page. A
+        # draft model's cache has a page for every page of the target's: sized together.
+        page_bytes = (bytes_per_page(self.placement.model_cfg, ec.page_size, ec.kv_cache_dtype)
                       + (self.draft.page_bytes if self.draft else 0))
         # The stored tree is consumed here: the device holds the weights once before the
         # KV cache is sized and allocated.
@@ -107,30 +117,37 @@ class LLMEngine:
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
                                   max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size,
-                                  executable_dir=self.executable_dir)
+                                  executable_dir=self.executable_dir, placement=self.placement)
         del params
         self.memory_plan = None
-        limit = gpu_memory_limit()
+        limit = (gpu_memory_limit() if self.placement.size == 1
+                 else mesh.gpu_memory_limit(self.placement))
         if limit:
             self.memory_plan = sizing.gpu_plan(
                 ec, self.cfg, page_bytes,
-                self.weight_bytes + (self.draft.weight_bytes if self.draft else 0), limit,
-                self._activation_peak)
+                self.device_weight_bytes() + (self.draft.weight_bytes if self.draft else 0),
+                limit, self._activation_peak)
             log.info("%s", self.memory_plan.describe())
             self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
                                                   self.memory_plan.num_pages)
         else:
             self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
             kv_dtype = self.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
-            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, kv_dtype)
+            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, kv_dtype,
+                                              devices=self.placement.size)
+        if self.cluster is not None:
+            self.max_model_len, self.num_pages = multiprocess.agree(self.max_model_len,
+                                                                    self.num_pages)
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
                                       self.attention_backend)
-        self.kv_cache_bytes = self.num_pages * page_bytes
+        self.kv_cache_bytes = self.num_pages * page_bytes * self.placement.size
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
             model_key=model_key(self.model_dir, ec)))
         self.runner.allocate_kv_cache(self.num_pages)
+        if self.placement.size > 1:
+            mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self.drafter = self.speculative_config and Drafter(
             self.speculative_config, self.draft and self.draft.proposer(
@@ -162,6 +179,12 @@ class LLMEngine:
                     self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammar_compiler
 
+    def device_weight_bytes(self) -> int:
+        """Weight bytes on one device (the most any holds, tensor parallel)."""
+        if self.placement.size == 1:
+            return self.weight_bytes
+        return self.placement.weight_bytes(self.runner.params)
+
     def _activation_peak(self, max_len: int) -> int:
         """Temporaries of the largest step program at this context length."""
         b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens,
@@ -185,6 +208,8 @@ class LLMEngine:
         started = time.perf_counter()
         self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0])))
         self.timings["first step"] = time.perf_counter() - started
+        if self.cluster is not None and self.cluster.is_leader:  # from now on, steps are sent
+            self.runner.step_sink = self.cluster.send_step
         log.info("warm-up phases: %s", ", ".join(f"{k} {v:.1f} s"
                                                  for k, v in self.timings.items()))
         return report

@@ -46,10 +46,12 @@ def hidden_blocks(hidden) -> tuple[jax.Array, ...]:
     return tuple(padded[i * BLOCK_ROWS:(i + 1) * BLOCK_ROWS] for i in range(n))
 
 
-def prompt_logprobs(params, hidden, targets, *, cfg: ModelConfig, num_top: int) -> PromptOutput:
+def prompt_logprobs(params, hidden, targets, *, cfg: ModelConfig, num_top: int,
+                    axis: str | None = None) -> PromptOutput:
     """hidden: [BLOCK_ROWS, H] from hidden_blocks; targets: i32[BLOCK_ROWS] the token each
-    row scores (the next prompt token), -1 for rows that score none."""
-    logprobs, ids, vals = top_logprobs(compute_logits(params, hidden, cfg), num_top)
+    row scores (the next prompt token), -1 for rows that score none. axis: tensor parallel
+    (one shard's head, logits gathered)."""
+    logprobs, ids, vals = top_logprobs(compute_logits(params, hidden, cfg, axis), num_top)
     lp = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], 1)[:, 0]
     rank = 1 + jnp.sum(logprobs > lp[:, None], axis=-1, dtype=jnp.int32)
     return PromptOutput(lp, rank, ids, vals)

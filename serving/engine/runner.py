@@ -15,12 +15,11 @@ from tqdm import tqdm
 
 from model.batch import Batch
 from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.runtime_params import prepare_params
 from model.transformer import compute_logits, forward_hidden
 from serving.engine.executable_cache import (ExecutableCache, avals_signature, load_or_compile,
                                              program_for)
 from serving.engine.input_prep import StepArrays, history_shape
+from serving.engine.mesh import SingleDevice
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
                                             prompt_logprobs)
 from serving.engine.rejection_sampler import emitted_rows
@@ -30,15 +29,16 @@ log = logging.getLogger("xlaserve")
 
 
 def _step(params, cache, buffers, history, bitmask, *, layout, cfg: ModelConfig, backend: str,
-          num_top: int, vocab_size: int):
+          num_top: int, vocab_size: int, axis: str | None = None):
     """-> (sampled tokens, which rows are outputs (rejection_sampler), the tokens' hidden
-    states in blocks for prompt logprobs, cache)."""
+    states in blocks for prompt logprobs, cache). axis: tensor parallel, this runs on one
+    shard (serving/engine/mesh.py)."""
     batch, sampling = _unpack(buffers, layout)
     sampling["history"] = history
     batch, draft_ids, row_start = split_batch(batch)
-    hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend, axis)
     # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
-    logits = compute_logits(params, hidden[batch.logits_indices], cfg)[:, :vocab_size]
+    logits = compute_logits(params, hidden[batch.logits_indices], cfg, axis)[:, :vocab_size]
     sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
     emitted = emitted_rows(sampled.tokens, draft_ids, row_start)
     return sampled, emitted, hidden_blocks(hidden), cache
@@ -111,20 +111,26 @@ class ModelRunner:
     plan knows what the prepared weights and the largest step leave for it.
     free_stacked: the stored weight tree is consumed (model/runtime_params.py).
     max_logprobs: the top logprobs each step computes (the most a request may ask).
-    vocab_size: the ids sampling may produce (the tokenizer's); default: every row."""
+    vocab_size: the ids sampling may produce (the tokenizer's); default: every row.
+    placement: one device (default) or a tensor-parallel mesh (serving/engine/mesh.py)."""
 
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
                  free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS,
-                 vocab_size: int | None = None, executable_dir: str | None = None):
+                 vocab_size: int | None = None, executable_dir: str | None = None,
+                 placement=None):
         self.cfg = cfg
+        self.placement = placement or SingleDevice(cfg)
+        # Called with every step's arrays before it runs: a leader process hands them to its
+        # followers (serving/engine/multiprocess.py).
+        self.step_sink = None
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
         self.vocab_size = vocab_size or cfg.vocab_size
         self.max_logprobs = max_logprobs
         self.bitmask_width = (self.vocab_size + 31) // 32
         self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
-        self.params = prepare_params(params, free_stacked=free_stacked)
+        self.params = self.placement.prepare(params, free_stacked=free_stacked)
         self.cache = None
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
@@ -132,24 +138,26 @@ class ModelRunner:
         self._no_history: dict[tuple[int, int], jax.Array] = {}  # (R, S) -> all -1, on device
         self._executable_dir = executable_dir
         self._executables: ExecutableCache | None = None
-        self._jitted = jax.jit(partial(_step, cfg=cfg, backend=attention_backend,
-                                       num_top=max_logprobs, vocab_size=self.vocab_size),
-                               donate_argnums=(1,), static_argnames=("layout",))
+        where = self.placement
+        self._jitted = jax.jit(where.wrap_step(partial(
+            _step, cfg=where.model_cfg, backend=attention_backend, num_top=max_logprobs,
+            vocab_size=self.vocab_size, axis=where.axis)),
+            donate_argnums=(1,), static_argnames=("layout",))
         self._compiled: dict[tuple[int, int, int], object] = {}
         # One program for every bucket: scores BLOCK_ROWS hidden states (prompt logprobs).
-        self._prompt_jitted = jax.jit(partial(prompt_logprobs, cfg=cfg, num_top=max_logprobs))
+        self._prompt_jitted = jax.jit(where.wrap_prompt(partial(
+            prompt_logprobs, cfg=where.model_cfg, num_top=max_logprobs, axis=where.axis)))
         self._prompt_program = None
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        self.cache = KVCache.zeros(self.cfg, num_pages, self.page_size, self.kv_cache_dtype)
+        self.cache = self.placement.zeros_cache(num_pages, self.page_size, self.kv_cache_dtype)
 
     def activation_peak_bytes(self, example: StepArrays) -> int:
         """Temporary bytes the step program of `example`'s shape needs (XLA's buffer
         assignment of the compiled program, read before any cache exists: the cache is an
         abstract two-page stand-in, donated and aliased, so its size does not count)."""
         buffers, layout = _pack(example)
-        cache = jax.eval_shape(lambda: KVCache.zeros(self.cfg, 2, self.page_size,
-                                                     self.kv_cache_dtype))
+        cache = self.placement.abstract_cache(2, self.page_size, self.kv_cache_dtype)
         compiled = self._jitted.lower(self.params, cache, buffers, self._history(example),
                                       self._bitmask(example),
                                       layout=layout).compile()
@@ -232,10 +240,12 @@ class ModelRunner:
 
     def dispatch(self, arrays: StepArrays):
         """Launches one step without waiting for it; returns a handle for `fetch`."""
+        if self.step_sink is not None:
+            self.step_sink(arrays)
         buffers, layout = _pack(arrays)
         program = program_for(self._compiled, arrays.shape, layout, "step")
         out, emitted, blocks, self.cache = program(
-            self.params, self.cache, jax.device_put(buffers), self._history(arrays),
+            self.params, self.cache, self.placement.put(buffers), self._history(arrays),
             self._bitmask(arrays))
         out.tokens.copy_to_host_async()
         emitted.copy_to_host_async()
@@ -249,10 +259,10 @@ class ModelRunner:
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:
-            return jax.device_put(arrays.history)
+            return self.placement.put(arrays.history)
         shape = history_shape(arrays.shape, self.page_size)
         if shape not in self._no_history:
-            self._no_history[shape] = jax.device_put(np.full(shape, -1, np.int32))
+            self._no_history[shape] = self.placement.put(np.full(shape, -1, np.int32))
         return self._no_history[shape]
 
     def _score_prompt(self, blocks, targets: np.ndarray) -> list[tuple[int, PromptOutput]]:
@@ -272,8 +282,7 @@ class ModelRunner:
                 scored.append((i, out))
         return scored
 
-    @staticmethod
-    def _fetch_prompt(prompt) -> PromptOutput | None:
+    def _fetch_prompt(self, prompt) -> PromptOutput | None:
         """-> numpy PromptOutput over the step's T tokens (rows of unscored blocks are 0)."""
         if prompt is None:
             return None
@@ -285,29 +294,30 @@ class ModelRunner:
         for i, out in scored:
             rows = slice(i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS)
             for name in ("logprob", "rank", "top_ids", "top_logprobs"):
-                getattr(full, name)[rows] = np.asarray(getattr(out, name))
+                getattr(full, name)[rows] = self.placement.host(getattr(out, name))
         return jax.tree.map(lambda a: a[:T], full)
 
     def _bitmask(self, arrays: StepArrays):
         """The step's bitmask, or (no constrained row) a resident one: nothing to send."""
         if arrays.bitmask is not None:
-            return jax.device_put(arrays.bitmask)
+            return self.placement.put(arrays.bitmask)
         R = arrays.shape[1]
         if R not in self._no_bitmask:
-            self._no_bitmask[R] = jax.device_put(np.full((R, self.bitmask_width), -1, np.int32))
+            self._no_bitmask[R] = self.placement.put(
+                np.full((R, self.bitmask_width), -1, np.int32))
         return self._no_bitmask[R]
 
-    @staticmethod
-    def fetch(handle) -> StepResult:
+    def fetch(self, handle) -> StepResult:
         out, emitted, wants_logprobs, prompt = handle
         out: SampleOutput
-        prompt = ModelRunner._fetch_prompt(prompt)
-        emitted = np.asarray(emitted)
+        host = self.placement.host
+        prompt = self._fetch_prompt(prompt)
+        emitted = host(emitted)
         if not wants_logprobs:
-            return StepResult(np.asarray(out.tokens), emitted, prompt=prompt)
-        return StepResult(np.asarray(out.tokens), emitted,
-                          *(np.asarray(a) for a in (out.logprob, out.top_ids,
-                                                    out.top_logprobs)), prompt=prompt)
+            return StepResult(host(out.tokens), emitted, prompt=prompt)
+        return StepResult(host(out.tokens), emitted,
+                          *(host(a) for a in (out.logprob, out.top_ids, out.top_logprobs)),
+                          prompt=prompt)
 
 
 def disable_jax_compilation_cache() -> None:

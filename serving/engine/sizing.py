@@ -115,10 +115,14 @@ def available_memory() -> int | None:
     return None
 
 
-def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str = "") -> int:
+def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str = "",
+              devices: int = 1) -> int:
     """Off-GPU: pages (sink included) for kv_cache_memory bytes, or by default for
     max_num_seqs full sequences, at most CPU_KV_MEMORY_FRACTION of the memory available
-    (after the weights loaded); at least one full sequence. Logs the size and why."""
+    (after the weights loaded); at least one full sequence. Logs the size and why.
+
+    devices: tensor parallel, the devices sharing the host's memory; bytes_per_page and
+    kv_cache_memory are then one device's, the memory available is split between them."""
     budget = kv_cache_memory(ec)
     per_seq = -(-max_len // ec.page_size)
     if budget is not None:
@@ -126,7 +130,7 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
     else:
         wanted = ec.max_num_seqs * per_seq * bytes_per_page
         free = available_memory()
-        cap = int(free * CPU_KV_MEMORY_FRACTION) if free else CPU_KV_CACHE_CAP
+        cap = int(free * CPU_KV_MEMORY_FRACTION) // devices if free else CPU_KV_CACHE_CAP
         budget = min(wanted, cap)
         why = f"max_num_seqs {ec.max_num_seqs} x max_model_len {max_len}"
         if budget < wanted:
@@ -139,7 +143,8 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
                          f"{ec.page_size} tokens, fewer than one sequence of max_model_len "
                          f"{max_len} needs ({per_seq}); raise kv_cache_memory or lower "
                          "max_model_len")
-    log.info("KV cache%s: %.2f GiB, %d pages of %d tokens (%d full sequences), for %s",
-             f" ({kv_dtype})" if kv_dtype else "", pages * bytes_per_page / GIB, pages,
-             ec.page_size, pages // per_seq, why)
+    log.info("KV cache%s: %.2f GiB%s, %d pages of %d tokens (%d full sequences), for %s",
+             f" ({kv_dtype})" if kv_dtype else "", pages * bytes_per_page / GIB,
+             f" on each of {devices} devices" if devices > 1 else "", pages, ec.page_size,
+             pages // per_seq, why)
     return pages + 1

@@ -1,0 +1,213 @@
+"""Tensor parallelism: how the weights and the KV cache split over the mesh's "model" axis.
+
+Megatron's split (docs/architecture.md, "Tensor parallelism"): q/k/v are column-parallel by
+head and gate/up by intermediate unit, o and down row-parallel (their partial sums meet in
+one psum each, in model/transformer.py), the embedding table and the head by vocabulary row
+(the vocabulary padded to a multiple of the size). With fewer KV heads than devices each
+device holds the one KV head its query heads read (vLLM's replication).
+
+Each device's block is cut from the stored tree (`shard_stored`) and prepared on its device
+as a whole model of its own (model/runtime_params.py: per-layer buffers, q/k/v and gate/up
+joined, CPU packing), so a joined or packed weight is one contiguous block per shard. The
+blocks are stacked on a leading axis of the mesh's size, sharded on that axis (`P(AXIS)`):
+a step program runs inside `shard_map` and takes block `[0]` of every leaf (`local_params`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.layers import embed
+from model.runtime_params import prepare_params
+from quant.array import QuantArray
+
+AXIS = "model"
+# KV cache [L, pages, page_size, K, D] (scales [L, pages, page_size, K]): by KV head.
+KV_SPEC = P(None, None, None, AXIS)
+
+
+class TensorParallelError(ValueError):
+    pass
+
+
+def valid_sizes(cfg: ModelConfig) -> list[int]:
+    """Tensor-parallel sizes the model splits into: n divides the query heads and the
+    intermediate size, and either n divides the KV heads or the KV heads divide n (so each
+    device's query heads read whole KV heads of their own)."""
+    k = cfg.num_kv_heads
+    return [n for n in range(1, cfg.num_heads + 1)
+            if cfg.num_heads % n == 0 and cfg.intermediate_size % n == 0
+            and (k % n == 0 or n % k == 0)]
+
+
+def check_size(cfg: ModelConfig, n: int, num_devices: int | None = None) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    sizes = valid_sizes(cfg)
+    if n not in sizes:
+        raise TensorParallelError(
+            f"tensor_parallel_size {n} does not split this model ({cfg.num_heads} query "
+            f"heads, {cfg.num_kv_heads} KV heads, intermediate size "
+            f"{cfg.intermediate_size}); sizes that work: {', '.join(map(str, sizes))}")
+    if num_devices is not None and n > num_devices:
+        raise TensorParallelError(f"tensor_parallel_size {n} needs {n} devices; "
+                                  f"{num_devices} found")
+
+
+def local_kv_heads(cfg: ModelConfig, n: int) -> int:
+    return max(cfg.num_kv_heads // n, 1)
+
+
+def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The model one shard computes: its heads and intermediate units (the vocabulary size
+    stays the model's: logits are gathered before anything reads it)."""
+    return replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=local_kv_heads(cfg, n),
+                   intermediate_size=cfg.intermediate_size // n)
+
+
+def padded_vocab(cfg: ModelConfig, n: int) -> int:
+    return -(-cfg.vocab_size // n) * n
+
+
+def _kv_head_start(cfg: ModelConfig, n: int, shard: int) -> int:
+    if cfg.num_kv_heads >= n:
+        return shard * (cfg.num_kv_heads // n)
+    # The KV head of this shard's first query head (its others share it).
+    return shard * (cfg.num_heads // n) // (cfg.num_heads // cfg.num_kv_heads)
+
+
+def _take(a, axis: int, start: int, stop: int):
+    """a[start:stop] along axis, zero-padded past a's end (the padded vocabulary)."""
+    axis = axis % a.ndim
+    part = jax.lax.slice_in_dim(a, min(start, a.shape[axis]), min(stop, a.shape[axis]),
+                                axis=axis)
+    short = stop - start - part.shape[axis]
+    if short:
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (0, short)
+        part = jnp.pad(part, pad)
+    return part
+
+
+def _cut(leaf, axis: int, start: int, stop: int):
+    """One block of a plain or quantized leaf; a scale shared along `axis` stays whole."""
+    if not isinstance(leaf, QuantArray):
+        return _take(leaf, axis, start, stop)
+    scale = leaf.scale if leaf.scale.shape[axis] == 1 else _take(leaf.scale, axis, start, stop)
+    return QuantArray(_take(leaf.values, axis, start, stop), scale)
+
+
+def _ranges(cfg: ModelConfig, n: int, shard: int) -> dict:
+    """module -> (start, stop) of this shard's columns (or rows) of that module's weights."""
+    d, i = cfg.head_dim, cfg.intermediate_size // n
+    q = cfg.num_heads // n * d
+    kv0, kv = _kv_head_start(cfg, n, shard) * d, local_kv_heads(cfg, n) * d
+    v = padded_vocab(cfg, n) // n
+    return {"q_proj": (shard * q, (shard + 1) * q), "k_proj": (kv0, kv0 + kv),
+            "v_proj": (kv0, kv0 + kv), "o_proj": (shard * q, (shard + 1) * q),
+            "gate_proj": (shard * i, (shard + 1) * i), "up_proj": (shard * i, (shard + 1) * i),
+            "down_proj": (shard * i, (shard + 1) * i), "vocab": (shard * v, (shard + 1) * v)}
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
+    """The stored tree (layers stacked) -> this shard's stored tree. Row-parallel biases are
+    kept on shard 0 alone (zeros elsewhere): the psum adds them once."""
+    ranges = _ranges(cfg, n, shard)
+
+    def one(path, leaf):
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        if names == ("embed",):
+            return _cut(leaf, 0, *ranges["vocab"])
+        if names == ("lm_head", "kernel"):
+            return _cut(leaf, -1, *ranges["vocab"])
+        module = names[-2] if len(names) >= 2 else ""
+        if module not in ranges:
+            return leaf  # norms: every shard needs all of them
+        if module in ROW_PARALLEL:
+            if names[-1] == "bias":
+                return leaf if shard == 0 else jnp.zeros_like(leaf)
+            return _cut(leaf, -2, *ranges[module])
+        return _cut(leaf, -1, *ranges[module])
+
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda a: isinstance(a, QuantArray))
+
+
+def mesh_devices(mesh) -> list:
+    return list(mesh.devices.reshape(-1))
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh, pack: bool | None = None) -> dict:
+    """Stored tree -> the run tree of every shard, stacked on a leading axis sharded over
+    the mesh. Each process prepares the shards of its own devices."""
+    n = mesh.shape[AXIS]
+    blocks = {}
+    for shard, device in enumerate(mesh_devices(mesh)):
+        if device.process_index == jax.process_index():
+            stored = jax.device_put(shard_stored(params, cfg, n, shard), device)
+            blocks[device] = prepare_params(stored, pack=pack)
+            del stored
+    return stack_blocks(blocks, mesh)
+
+
+def stack_blocks(blocks: dict, mesh) -> dict:
+    """{device: run tree} (this process's devices) -> one tree of [n, ...] arrays, each
+    device holding its own block."""
+    sharding = NamedSharding(mesh, P(AXIS))
+    n = mesh.shape[AXIS]
+    trees = list(blocks.values())
+    leaves = [jax.tree.leaves(t) for t in trees]
+    treedef = jax.tree.structure(trees[0])
+    stacked = []
+    for i in range(len(leaves[0])):
+        parts = [jnp.expand_dims(per_device[i], 0) for per_device in leaves]
+        shape = (n, *parts[0].shape[1:])
+        stacked.append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
+    return jax.tree.unflatten(treedef, stacked)
+
+
+def abstract_sharded_params(stored_abstract: dict, cfg: ModelConfig, mesh) -> dict:
+    """The run tree as ShapeDtypeStructs with their shardings, from the stored tree's
+    structs (no weights: for lowering a sharded step, e.g. for a GPU on a CPU host)."""
+    n = mesh.shape[AXIS]
+    block = jax.eval_shape(lambda p: prepare_params(shard_stored(p, cfg, n, 0), pack=False),
+                           stored_abstract)
+    sharding = NamedSharding(mesh, P(AXIS))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype,
+                                                       sharding=sharding), block)
+
+
+def local_params(params):
+    """Inside shard_map: [1, ...] blocks -> this shard's run tree."""
+    return jax.tree.map(lambda a: a[0], params)
+
+
+def cache_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The whole cache's shape: every shard's KV heads side by side (replicas included)."""
+    return replace(cfg, num_kv_heads=local_kv_heads(cfg, n) * n)
+
+
+def cache_specs(quantized: bool) -> KVCache:
+    return KVCache(KV_SPEC, KV_SPEC, *((KV_SPEC, KV_SPEC) if quantized else (None, None)))
+
+
+def cache_shardings(mesh, quantized: bool) -> KVCache:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(quantized))
+
+
+def embed_vocab_parallel(table, ids, dtype, axis: str):
+    """Rows `ids` of a table sharded by vocabulary row: each shard looks up the ids it
+    holds (zeros for the others) and one psum joins them."""
+    rows = table.shape[0]
+    local = ids - jax.lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = embed(table, jnp.where(mine, local, 0), dtype)
+    return jax.lax.psum(jnp.where(mine[:, None], x, jnp.zeros_like(x)), axis)

@@ -1,0 +1,192 @@
+"""Where a runner's arrays live and how its programs span devices: one device (the default,
+exactly the single-device code), or a tensor-parallel mesh over the first N devices, the
+step running inside `shard_map` on the "model" axis (docs/architecture.md, "Tensor
+parallelism").
+
+The runner asks its placement to prepare the weights, allocate the KV cache, put step
+inputs on the device(s) and wrap its step and prompt-logprobs functions; a wrapped function
+takes the whole tree and runs the model of one shard (model/sharding.py) on each device.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model import sharding
+from model.config import ModelConfig
+from model.kv_cache import KVCache, kv_storage_dtype
+from model.runtime_params import prepare_params
+
+log = logging.getLogger("xlaserve")
+
+
+class SingleDevice:
+    """The default device; every method is what the runner did before meshes existed."""
+    size = 1
+    mesh = None
+
+    @property
+    def devices(self) -> list:
+        return jax.devices()[:1]
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.model_cfg = cfg  # what each device's program computes
+        self.axis = None
+
+    def prepare(self, params, free_stacked: bool = False):
+        return prepare_params(params, free_stacked=free_stacked)
+
+
+    def zeros_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
+        return KVCache.zeros(self.cfg, num_pages, page_size, dtype)
+
+    def abstract_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
+        return jax.eval_shape(lambda: KVCache.zeros(self.cfg, num_pages, page_size, dtype))
+
+    def put(self, x):
+        return jax.device_put(x)
+
+    def host(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+    def wrap_step(self, step):
+        return step
+
+    def wrap_prompt(self, fn):
+        return fn
+
+
+class TensorParallel:
+    """A 1-D mesh ("model"); weights and KV cache as model/sharding.py splits them, step
+    inputs and outputs replicated. The mesh may be abstract (jax.sharding.AbstractMesh),
+    to lower programs for devices this host does not have."""
+
+    def __init__(self, cfg: ModelConfig, mesh, kv_cache_dtype=None):
+        self.size = mesh.shape[sharding.AXIS]
+        sharding.check_size(cfg, self.size)
+        self.cfg = cfg
+        self.model_cfg = sharding.local_config(cfg, self.size)
+        self.axis = sharding.AXIS
+        self.mesh = mesh
+        self._quantized_kv = kv_storage_dtype(cfg, kv_cache_dtype)[1]
+        self._replicated = NamedSharding(self.mesh, P())
+
+    @property
+    def devices(self) -> list:
+        return sharding.mesh_devices(self.mesh)
+
+    def weight_bytes(self, params) -> int:
+        """The most weight bytes one device holds."""
+        return max(per_device_bytes(params).values())
+
+    def prepare(self, params, free_stacked: bool = False):
+        return sharding.shard_params(params, self.cfg, self.mesh)
+
+    def _cache_cfg(self) -> ModelConfig:
+        return sharding.cache_config(self.cfg, self.size)
+
+    def zeros_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
+        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv)
+        make = partial(KVCache.zeros, self._cache_cfg(), num_pages, page_size, dtype)
+        return jax.jit(make, out_shardings=shardings)()
+
+    def abstract_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
+        shapes = jax.eval_shape(lambda: KVCache.zeros(self._cache_cfg(), num_pages, page_size,
+                                                      dtype))
+        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, shardings)
+
+    def put(self, x):
+        """Host arrays (the same in every process) -> replicated over the mesh."""
+        return jax.tree.map(
+            lambda a: jax.make_array_from_process_local_data(self._replicated, np.asarray(a)),
+            x)
+
+    def host(self, a) -> np.ndarray:
+        """A replicated output: this process's copy (another process's are not readable)."""
+        return np.asarray(a.addressable_data(0))
+
+    def wrap_step(self, step):
+        """step(params, cache, buffers, history, bitmask, **static) of one shard -> the
+        function of the whole mesh (outputs replicated, the cache sharded)."""
+        return partial(_sharded_step, step, self.mesh, self._quantized_kv)
+
+    def wrap_prompt(self, fn):
+        def local(params, hidden, targets):
+            return fn(sharding.local_params(params), hidden, targets)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(sharding.AXIS), P(), P()),
+                             out_specs=P(), check_vma=False)
+
+
+def _sharded_step(step, mesh, quantized_kv, params, cache, buffers, history, bitmask, **static):
+    cache_spec = sharding.cache_specs(quantized_kv)
+
+    def local(params, cache, buffers, history, bitmask):
+        return step(sharding.local_params(params), cache, buffers, history, bitmask, **static)
+    # check_vma off: the kernels are FFI and Pallas calls with no replication rules; the
+    # outputs are replicated because the hidden states are (after each psum) and the logits
+    # are gathered.
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(P(sharding.AXIS), cache_spec, P(), P(), P()),
+                         out_specs=(P(), P(), P(), cache_spec), check_vma=False)(
+        params, cache, buffers, history, bitmask)
+
+
+def placement(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype=None):
+    """SingleDevice for 1, else a TensorParallel mesh over the first N devices."""
+    if tensor_parallel_size == 1:
+        return SingleDevice(cfg)
+    devices = jax.devices()
+    sharding.check_size(cfg, tensor_parallel_size, len(devices))
+    mesh = Mesh(np.array(devices[:tensor_parallel_size]), (sharding.AXIS,))
+    return TensorParallel(cfg, mesh, kv_cache_dtype)
+
+
+def per_device_bytes(tree) -> dict:
+    """device -> bytes of the tree's arrays held there (this process's devices)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def gpu_memory_limit(where) -> int | None:
+    """The smallest allocator limit of the mesh's GPUs (each holds the same share); None
+    off-GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in where.devices]
+    return None if None in limits else min(limits)
+
+
+def log_devices(where, params, cache) -> None:
+    """One line per device: its weights, its KV cache and the KV heads it holds."""
+    weights, kv = per_device_bytes(params), per_device_bytes(cache)
+    heads = where.model_cfg.num_kv_heads
+    for i, device in enumerate(where.devices):
+        if device in weights:
+            log.info("tensor parallel %d/%d on %s: weights %.1f MiB, KV cache %.1f MiB "
+                     "(%d KV heads, %d query heads)", i, where.size, device,
+                     weights[device] / 2**20, kv.get(device, 0) / 2**20, heads,
+                     where.model_cfg.num_heads)
+
+
+def check_tensor_parallel_size(model_dir, n: int, every_device: bool = False) -> None:
+    """Before any weight loads: a size the model does not split into, or more devices than
+    there are, is an error naming the sizes that work. every_device: several processes,
+    whose devices all hold a part of the model."""
+    if every_device and n != jax.device_count():
+        raise sharding.TensorParallelError(
+            f"with several processes the model is split over all {jax.device_count()} "
+            f"devices ({jax.local_device_count()} in this process): tensor_parallel_size "
+            f"must be {jax.device_count()}, got {n}")
+    if n == 1:
+        return
+    sharding.check_size(ModelConfig.from_dir(model_dir), n, len(jax.devices()))

@@ -1,0 +1,136 @@
+"""Tensor parallelism (docs/architecture.md, "Tensor parallelism") on simulated CPU devices:
+every family gives TP=1's tokens and logprobs at TP=N (KV heads fewer than N, biases on
+row-parallel layers, a padded vocabulary, quantized weights and KV cache, the pallas kernel
+in interpret mode, the demo model at TP=3); sizes that do not split a model are refused
+before any weight loads.
+
+The engines run in one child process (tests/tp_child.py) started with
+--xla_force_host_platform_device_count, which must not reach this session."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from model.sharding import TensorParallelError, valid_sizes
+from serving import LLM
+from serving.cli import main
+from tests.demo_engine import demo_llm
+from tests.hf_tiny import tiny_hf_model
+from tests.tp_child import MAX_TOKENS, PROMPTS, requests
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = 4
+# Heads 8 / KV heads 2 split 2 and 4 ways (4: each KV head on two devices); vocabulary 210
+# pads to 212 at TP=4. A larger initializer than HF's makes greedy choices clear-cut.
+SHAPES = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+              intermediate_size=96, vocab_size=210, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    made = {}
+    for family, extra in (("llama", dict(attention_bias=True, mlp_bias=True)),
+                          ("mistral", {}), ("qwen2", {}), ("qwen3", {})):
+        made[family] = root / family
+        tiny_hf_model(family, made[family], seed=1, **SHAPES, **extra)
+    return made
+
+
+def cases(models, demo_checkpoint) -> dict:
+    cpu = dict(attention_backend="cpu")
+    return {
+        "llama-bias": dict(model=str(models["llama"]), sizes=[1, 4],
+                           options=dict(cpu, quantize="none"), kv_heads=1),
+        "mistral-pallas": dict(model=str(models["mistral"]), sizes=[1, 2],
+                               options=dict(attention_backend="pallas", quantize="none"),
+                               kv_heads=1),
+        "qwen2-int8-head": dict(model=str(models["qwen2"]), sizes=[1, 2],
+                                options=dict(cpu, quantize="int8:lm_head"), kv_heads=1),
+        "qwen3-fp8-kv-int8": dict(model=str(models["qwen3"]), sizes=[1, 4],
+                                  options=dict(cpu, quantize="fp8", kv_cache_dtype="int8"),
+                                  kv_heads=1),
+        # 9 heads, 3 KV heads; TP=1 is the session's shared demo engine (tests/demo_engine.py,
+        # its checkpoint as converted), which other modules reuse.
+        "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(models, demo_checkpoint, tmp_path_factory):
+    spec = cases(models, demo_checkpoint)
+    path = tmp_path_factory.mktemp("tp-cases") / "cases.json"
+    path.write_text(json.dumps({k: {f: v for f, v in c.items() if f != "kv_heads"}
+                                for k, c in spec.items()}))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "tests.tp_child", str(DEVICES), str(path)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=dict(env, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return spec, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "demo")
+
+
+def demo_tp1(checkpoint) -> dict:
+    llm = demo_llm(str(checkpoint))
+    results = llm.generate(PROMPTS, requests(MAX_TOKENS))
+    return {"tokens": [r.token_ids for r in results],
+            "logprobs": [[lp.logprob for lp in r.logprobs] if r.logprobs else None
+                         for r in results],
+            "programs": None, "mesh": 1, "device_weight_bytes": llm.engine.weight_bytes}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_tokens_and_logprobs_equal_tp1(results, name, demo_checkpoint):
+    spec, out = results
+    case, by_size = spec[name], out[name]
+    one = by_size["1"] if name != "demo" else demo_tp1(demo_checkpoint)
+    tokens = [t for seq in one["tokens"] for t in seq]
+    assert len(set(tokens)) >= 4, f"{name}: degenerate output {one['tokens']}"  # a real check
+    for n in map(str, case["sizes"][1:]):
+        tp = by_size[n]
+        assert tp["mesh"] == int(n)
+        assert tp["tokens"] == one["tokens"], name  # greedy and seeded sampling alike
+        np.testing.assert_allclose(tp["logprobs"][1], one["logprobs"][1], atol=2e-3)
+        if one["programs"] is not None:  # the shared demo engine has buckets of its own
+            assert tp["programs"] == one["programs"]
+        assert tp["kv_heads_per_device"] == case["kv_heads"]
+        # Each device holds its share of the weights; norms are whole on each, and with
+        # fewer KV heads than devices so are its KV heads' k/v projections.
+        share = one["device_weight_bytes"] / int(n)
+        assert share < tp["device_weight_bytes"] < 1.6 * share
+    assert one["mesh"] == 1
+
+
+def test_sizes_that_do_not_split_the_model_are_refused_before_loading(models):
+    cfg = ModelConfig.from_dir(models["llama"])
+    assert valid_sizes(cfg) == [1, 2, 4, 8]
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel_size 3 .*8 query heads.*"
+                                                  r"sizes that work: 1, 2, 4, 8"):
+        LLM(str(models["llama"]), tensor_parallel_size=3, progress=False)
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size 2 needs 2 devices; "
+                                                  "1 found"):
+        LLM(str(models["llama"]), tensor_parallel_size=2, progress=False)
+    with pytest.raises(TensorParallelError, match="positive integer"):
+        LLM(str(models["llama"]), tensor_parallel_size=0, progress=False)
+
+
+def test_serve_with_a_size_that_does_not_split_exits_with_the_sizes(models, capsys):
+    assert main(["serve", str(models["qwen3"]), "--tensor-parallel-size", "5"]) == 1
+    assert "sizes that work: 1, 2, 4, 8" in capsys.readouterr().err
+
+
+def test_demo_model_sizes():
+    demo = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                       intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                       head_dim=64)
+    assert valid_sizes(demo) == [1, 3]  # 9 would split the heads but not 1536

@@ -1,0 +1,69 @@
+"""Engines on simulated CPU devices for tests/test_tensor_parallel.py, in a process of its own
+(the device count is fixed when JAX starts, so the flag must never reach the test session):
+
+    python -m tests.tp_child DEVICES CASES_JSON
+
+Each case names a model folder, engine options and tensor-parallel sizes; the child builds
+one engine per size, runs the same requests on each and prints one JSON line: per case and
+size, the tokens and logprobs of every request and what the engine says of its devices."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={sys.argv[1]}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+# One bucket each: the same tokens come out of any bucket on a CPU (batch invariance), and
+# every program costs seconds to compile.
+SMALL = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
+             token_buckets=(16,), request_buckets=(4,), progress=False,
+             compilation_cache_dir="")
+MAX_TOKENS = 8
+PROMPTS = [[3, 5, 7, 9, 11, 13, 15], [17, 19, 23], [29, 31, 37, 41, 43, 47, 53, 59, 61, 67]]
+
+
+def requests(max_tokens: int):
+    from serving import SamplingParams
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [greedy,
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.9, seed=7, max_tokens=max_tokens, ignore_eos=True)]
+
+
+def run_case(case: dict) -> dict:
+    from serving import LLM
+    out = {}
+    prompts = case.get("prompts", PROMPTS)
+    params = requests(MAX_TOKENS)
+    for n in case["sizes"]:
+        started = time.perf_counter()
+        llm = LLM(case["model"], tensor_parallel_size=n, **{**SMALL, **case["options"]})
+        results = llm.generate(prompts, params)
+        engine = llm.engine
+        out[str(n)] = {
+            "tokens": [r.token_ids for r in results],
+            "logprobs": [[lp.logprob for lp in r.logprobs] if r.logprobs else None
+                         for r in results],
+            "programs": engine.warmup_report.programs,
+            "mesh": engine.placement.size,
+            "kv_heads_per_device": engine.placement.model_cfg.num_kv_heads,
+            "device_weight_bytes": engine.device_weight_bytes(),
+            "weight_bytes": engine.weight_bytes,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        del llm, engine
+    return out
+
+
+def main() -> None:
+    cases = json.loads(open(sys.argv[2]).read())
+    print(json.dumps({name: run_case(case) for name, case in cases.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
