@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from model.config import ModelConfig
 from model.hf_weights import abstract_params, load_hf_params, np_dtype
 from quant.array import QuantArray
+from quant.int4 import Int4Array
 from quant.recipe import Recipe, abstract_quantized, from_metadata, quantize_params
 
 METADATA = "xlaserve.json"
@@ -123,10 +125,13 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
     cfg = stored.with_dtype(dtype) if dtype else stored
     if cfg.dtype != stored.dtype:  # quantized weights stay as they are
         params = jax.tree.map(
-            lambda a: a if isinstance(a, QuantArray) else a.astype(np_dtype(cfg.dtype)),
-            params, is_leaf=lambda a: isinstance(a, QuantArray))
+            lambda a: a if isinstance(a, (QuantArray, Int4Array)) else a.astype(
+                np_dtype(cfg.dtype)),
+            params, is_leaf=lambda a: isinstance(a, (QuantArray, Int4Array)))
     return cfg, params
 
 
 def param_bytes(params) -> int:
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+    """Bytes the leaves hold (uint4 codes two a byte)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize // (2 if a.dtype == jnp.uint4 else 1)
+               for a in jax.tree.leaves(params))

@@ -8,7 +8,8 @@ one kernel per HF projection. Run: `prepare_params` gives
 - q/k/v joined into `qkv_proj` and gate/up into `gate_up_proj`: one matmul where there were
   three or two (30 layers of SmolLM2 at one token: 21.1 ms -> 16.5 ms on 2 CPU cores).
   Weights quantized per tensor keep their own scales, so they stay apart.
-- on CPUs, int8 weights (per output channel) packed for our kernel (quant/packed.py), and
+- on CPUs, int8 weights (per output channel) and int4 ones packed for our kernels
+  (quant/packed.py), and
   an int8 tied embedding table packed again as `lm_head`: XLA:CPU widens int8 weights in
   memory before a dot, the kernel in registers. Float weights (and a float tied table, as
   `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch.
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from quant import packed
 from quant.array import QuantArray
+from quant.int4 import Int4Array, concat_int4
 
 JOINED = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
           "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
@@ -66,13 +68,15 @@ def _pack(params):
     def one(path, a):
         if packed.packable(a):
             return packed.pack(a)
+        if packed.int4_packable(a):
+            return packed.pack_int4(a)
         if not (path and getattr(path[-1], "key", None) == "kernel"):
             return a
         if packed.dense_packable(a):
             return packed.pack_dense(a)
         return packed.pack_codes(a) if packed.codes_packable(a) else a
-    params = jax.tree_util.tree_map_with_path(one, params,
-                                              is_leaf=lambda a: isinstance(a, QuantArray))
+    params = jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda a: isinstance(a, (QuantArray, Int4Array)))
     if "lm_head" not in params:
         head = packed.pack_head(params["embed"])
         if head is None:
@@ -100,6 +104,8 @@ def _join_projections(layer: dict) -> dict:
 
 
 def _joinable(kernels) -> bool:
+    if any(isinstance(k, Int4Array) for k in kernels):
+        return all(isinstance(k, Int4Array) for k in kernels)
     if all(not isinstance(k, QuantArray) for k in kernels):
         return len({k.dtype for k in kernels}) == 1
     return (all(isinstance(k, QuantArray) and not k.per_tensor for k in kernels)
@@ -107,6 +113,8 @@ def _joinable(kernels) -> bool:
 
 
 def _concat(kernels):
+    if isinstance(kernels[0], Int4Array):
+        return concat_int4(kernels)
     if isinstance(kernels[0], QuantArray):
         return QuantArray(jnp.concatenate([k.values for k in kernels], axis=-1),
                           jnp.concatenate([k.scale for k in kernels], axis=-1))

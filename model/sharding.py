@@ -25,6 +25,7 @@ from model.kv_cache import KVCache
 from model.layers import embed
 from model.runtime_params import prepare_params
 from quant.array import QuantArray
+from quant.int4 import GROUP, Int4Array
 
 AXIS = "model"
 # KV cache [L, pages, page_size, K, D] (scales [L, pages, page_size, K]): by KV head.
@@ -96,10 +97,25 @@ def _take(a, axis: int, start: int, stop: int):
 
 def _cut(leaf, axis: int, start: int, stop: int):
     """One block of a plain or quantized leaf; a scale shared along `axis` stays whole."""
+    if isinstance(leaf, Int4Array):
+        return _cut_int4(leaf, axis, start, stop)
     if not isinstance(leaf, QuantArray):
         return _take(leaf, axis, start, stop)
     scale = leaf.scale if leaf.scale.shape[axis] == 1 else _take(leaf.scale, axis, start, stop)
     return QuantArray(_take(leaf.values, axis, start, stop), scale)
+
+
+def _cut_int4(leaf: Int4Array, axis: int, start: int, stop: int) -> Int4Array:
+    """Columns cut all three arrays alike; rows cut the codes, and the groups they fill."""
+    if axis % leaf.ndim == leaf.ndim - 1:
+        return Int4Array(*(_take(a, axis, start, stop)
+                           for a in (leaf.values, leaf.scale, leaf.zero)))
+    if start % GROUP or stop % GROUP:
+        raise ValueError(f"int4 weights split between devices in whole groups of {GROUP} "
+                         f"inputs; this split gives a device inputs {start} to {stop}")
+    groups = (start // GROUP, stop // GROUP)
+    return Int4Array(_take(leaf.values, axis, start, stop), _take(leaf.scale, axis, *groups),
+                     _take(leaf.zero, axis, *groups))
 
 
 def _ranges(cfg: ModelConfig, n: int, shard: int) -> dict:
@@ -137,8 +153,8 @@ def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
             return _cut(leaf, -2, *ranges[module])
         return _cut(leaf, -1, *ranges[module])
 
-    return jax.tree_util.tree_map_with_path(one, params,
-                                            is_leaf=lambda a: isinstance(a, QuantArray))
+    return jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda a: isinstance(a, (QuantArray, Int4Array)))
 
 
 def mesh_devices(mesh) -> list:

@@ -30,7 +30,7 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
 # handler `xlaserve_<name>`.
-KERNELS = ("q8_matmul", "paged_attention", "argmax", "masked_argmax", "dense_matmul",
+KERNELS = ("q8_matmul", "q4_matmul", "paged_attention", "argmax", "masked_argmax", "dense_matmul",
            "rms_norm")
 
 

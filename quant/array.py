@@ -33,11 +33,9 @@ def storage_dtype(scheme: str):
     return jnp.dtype(DTYPES[scheme])
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class QuantArray:
-    values: jax.Array  # int8 | float8_e4m3fn, the logical shape
-    scale: jax.Array  # float32, values' rank, 1 on the axes each scale covers
+class ValuesShaped:
+    """A quantized weight's logical shape: its `values`' (QuantArray, quant/int4.Int4Array)."""
+    values: jax.Array
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -46,6 +44,13 @@ class QuantArray:
     @property
     def ndim(self) -> int:
         return len(self.values.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QuantArray(ValuesShaped):
+    values: jax.Array  # int8 | float8_e4m3fn, the logical shape
+    scale: jax.Array  # float32, values' rank, 1 on the axes each scale covers
 
     @property
     def scheme(self) -> str:

@@ -6,6 +6,8 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
   fusion can absorb, and the scale is an epilogue multiply on [T, out], not on the weight.
 - packed for our CPU kernels (quant/packed.py): int8 per output channel by q8_matmul; any
   other weight, fp8 included (weight-only, scales after the sum), by dense_matmul.
+- int4 in groups (quant/int4.py): packed on CPUs for q4_matmul (activations rounded to
+  int8 per group of 32 there); elsewhere dequantized into the dot, weight-only.
 - fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
   scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
   the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from quant import packed
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
+from quant.int4 import Int4Array, matmul_int4
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -30,6 +33,10 @@ def matmul(x, w):
         return packed.matmul(x, w)
     if isinstance(w, packed.PackedDense):
         return packed.dense_matmul(x, w)
+    if isinstance(w, packed.PackedQ4):
+        return packed.q4_matmul(x, w)
+    if isinstance(w, Int4Array):
+        return matmul_int4(x, w)
     if not isinstance(w, QuantArray):
         return x @ w.astype(x.dtype)
     if w.scale.shape[-2] != 1 or w.ndim != 2:
@@ -81,6 +88,7 @@ def take(table, ids, dtype):
 
 
 def dequantize_tree(params, dtype=jnp.float32):
-    """Every QuantArray in a tree replaced by its dequantized array."""
-    return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QuantArray) else a,
-                        params, is_leaf=lambda a: isinstance(a, QuantArray))
+    """Every QuantArray and Int4Array in a tree replaced by its dequantized array."""
+    kinds = (QuantArray, Int4Array)
+    return jax.tree.map(lambda a: a.dequantize(dtype) if isinstance(a, kinds) else a,
+                        params, is_leaf=lambda a: isinstance(a, kinds))

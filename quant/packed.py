@@ -4,6 +4,8 @@ PackedDense, for pallas_kernels/dense_matmul_cpu.py (rows independent of their b
 float32 / bfloat16 / float16 weight, or the 8-bit codes and scales of any other QuantArray
 (fp8; int8 in shapes the q8 kernel does not take), computed weight-only.
 
+PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py.
+
 Made once at load; `quant.ops.matmul` sends them to their kernels. Checkpoints never hold
 them: they are run-time forms, like the joined projections of model/runtime_params.py.
 """
@@ -14,9 +16,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ffi, dense_matmul_cpu
+from pallas_kernels import cpu_ffi, dense_matmul_cpu, q4_matmul_cpu
 from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul
 from quant.array import QuantArray
+from quant.int4 import Int4Array
 
 
 @jax.tree_util.register_dataclass
@@ -115,3 +118,32 @@ def pack_dense_head(table) -> PackedDense | None:
 def dense_matmul(x, w: PackedDense):
     """x: [..., in] @ w -> [..., out] in x's dtype."""
     return dense_matmul_cpu.dense_matmul(x, w.panels, w.scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PackedQ4:
+    codes: jax.Array  # uint4[in, out], in the kernel's byte order (see q4_matmul_cpu)
+    scale: jax.Array  # float16[out // 16, in // 32, 16]
+    zero: jax.Array  # float16[out // 16, in // 32, 16]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+
+def int4_packable(w) -> bool:
+    """A concrete [in, out] Int4Array in whole panels, with the kernel built."""
+    return (isinstance(w, Int4Array) and w.ndim == 2
+            and not isinstance(w.values, jax.core.Tracer)
+            and w.shape[1] % q4_matmul_cpu.PANEL == 0
+            and jax.default_backend() == "cpu" and cpu_ffi.available("q4_matmul"))
+
+
+def pack_int4(w: Int4Array) -> PackedQ4:
+    return PackedQ4(*q4_matmul_cpu.pack_panels(w.values.astype(jnp.uint8), w.scale, w.zero))
+
+
+def q4_matmul(x, w: PackedQ4):
+    """x: [..., in] @ w -> [..., out] in x's dtype."""
+    return q4_matmul_cpu.q4_matmul(x, w.codes, w.scale, w.zero)

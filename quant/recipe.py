@@ -9,26 +9,29 @@ comma-separated options after a colon:
                           time (W8A8): the pattern XLA:GPU turns into a cuBLASLt fp8 GEMM
     fp8:channel           fp8 weights per output channel, weight-only (no fp8 GEMM; the
                           convert fuses into the dot like int8's)
+    int4                  every linear layer 4-bit in groups of 32 inputs with a float16
+                          scale and offset each (GGUF's Q4_1, quant/int4.py), weight-only
     int8:embed,lm_head    also the embedding table and the output head
 
 The embedding and head are left in the model's dtype by default. When named, they are
 quantized per row (= per output channel of the head), weight-only, whatever the layers'
-granularity. With tied embeddings they are one table: naming either quantizes it for both.
+granularity (int8 for an int4 recipe, as GGUF files keep theirs in 8 bits). With tied
+embeddings they are one table: naming either quantizes it for both.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import partial
 
-SCHEMES = ("int8", "fp8")
-GRANULARITIES = ("channel", "tensor")
-DEFAULT_GRANULARITY = {"int8": "channel", "fp8": "tensor"}
+SCHEMES = ("int8", "fp8", "int4")
+GRANULARITIES = ("channel", "tensor", "group")
+DEFAULT_GRANULARITY = {"int8": "channel", "fp8": "tensor", "int4": "group"}
 
 
 @dataclass(frozen=True)
 class Recipe:
-    scheme: str  # "int8" | "fp8"
-    granularity: str  # "channel" | "tensor"
+    scheme: str  # "int8" | "fp8" | "int4"
+    granularity: str  # "channel" | "tensor" | "group" (int4's, and only int4's)
     embed: bool = False
     lm_head: bool = False
 
@@ -39,6 +42,9 @@ class Recipe:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; choose one of "
                              + ", ".join(GRANULARITIES))
+        if (self.scheme == "int4") != (self.granularity == "group"):
+            raise ValueError(f"{self.scheme} weights do not come per {self.granularity}: int4 "
+                             "is per group of 32 inputs, int8 and fp8 per channel or tensor")
 
     @property
     def activations(self) -> str:
@@ -112,7 +118,6 @@ def quantize_params(params: dict, recipe: "Recipe | str") -> dict:
 
     from quant.array import QuantArray, storage_dtype
     recipe = Recipe.parse(recipe)
-    dtype = storage_dtype(recipe.scheme)
     tied = "lm_head" not in params
 
     def one(path, leaf):
@@ -122,7 +127,11 @@ def quantize_params(params: dict, recipe: "Recipe | str") -> dict:
         axes = _axes(names, recipe, tied)
         if axes is None:
             return leaf
-        return _quantize_jit(dtype, axes)(leaf)
+        if recipe.scheme == "int4":
+            if axes == (-2,) and names[0] == "layers":
+                return _int4_jit()(leaf)
+            return _quantize_jit(storage_dtype("int8"), axes)(leaf)
+        return _quantize_jit(storage_dtype(recipe.scheme), axes)(leaf)
 
     return jax.tree_util.tree_map_with_path(one, params,
                                             is_leaf=lambda a: isinstance(a, QuantArray))
@@ -141,6 +150,15 @@ def _quantize_jit(dtype, axes):
     return _JITTED[key]
 
 
+def _int4_jit():
+    import jax
+
+    from quant.int4 import quantize_int4
+    if "int4" not in _JITTED:
+        _JITTED["int4"] = jax.jit(quantize_int4)
+    return _JITTED["int4"]
+
+
 def abstract_quantized(abstract: dict, recipe: "Recipe | str") -> dict:
     """ShapeDtypeStruct tree -> the same with the recipe's weights as QuantArrays of structs."""
     import jax
@@ -152,10 +170,13 @@ def describe(params) -> str:
     import jax
 
     from quant.array import QuantArray
-    leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantArray))
-    quantized = [a for a in leaves if isinstance(a, QuantArray)]
+    from quant.int4 import Int4Array
+    kinds = (QuantArray, Int4Array)
+    leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, kinds))
+    quantized = [a for a in leaves if isinstance(a, kinds)]
     if not quantized:
         return "not quantized"
-    schemes = sorted({f"{a.scheme} per {'tensor' if a.per_tensor else 'channel'}"
+    schemes = sorted({f"{a.scheme} per " + ("group of 32" if isinstance(a, Int4Array) else
+                                            "tensor" if a.per_tensor else "channel")
                       for a in quantized})
     return f"{' + '.join(schemes)}, {len(quantized)} of {len(leaves)} tensors"

@@ -27,6 +27,8 @@ PANEL_SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
 MODELS = {  # name -> (family, overrides)
     "llama": ("llama", {}),
     "llama-panels": ("llama", PANEL_SIZES),
+    # int4 takes inputs in groups of 32: o_proj's (heads x head_dim) too
+    "llama-int4": ("llama", {**PANEL_SIZES, "head_dim": 16}),
     # a window over several 32-key chunks of the CPU kernel, and shorter than most prompts
     "mistral": ("mistral", {"sliding_window": 50}),
 }
@@ -38,6 +40,7 @@ CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "int8-q8-kernel": ("llama-panels", "float32", "int8"),
     "fp8": ("llama", "float32", "fp8"),
     "fp8-channel": ("llama-panels", "float32", "fp8:channel"),
+    "int4": ("llama-int4", "float32", "int4:lm_head"),  # the demo's CPU default recipe
     "sliding-window": ("mistral", "bfloat16", None),
 }
 
@@ -103,7 +106,7 @@ def kernel_forms(llm) -> set[str]:
         if any(getattr(k, "key", None) == "kernel" for k in path):
             forms.add(type(leaf).__name__)
     jax.tree_util.tree_map_with_path(visit, llm.engine.runner.params, is_leaf=lambda a: (
-        isinstance(a, (QuantArray, packed.PackedQ8, packed.PackedDense))))
+        isinstance(a, (QuantArray, packed.PackedQ8, packed.PackedDense, packed.PackedQ4))))
     return forms
 
 
@@ -123,9 +126,11 @@ def differing(batched, alone):
 def test_batched_equals_alone_with_default_buckets(checkpoint, case):
     model, dtype, quantize = CASES[case]
     batched, alone, forms = batched_and_alone(checkpoint(model, dtype), quantize)
-    # Every matmul runs one of the invariant kernels; int8 the q8 one where shapes allow.
-    assert forms <= {"PackedQ8", "PackedDense"}
-    assert ("PackedQ8" in forms) == (case == "int8-q8-kernel")
+    # Every matmul runs one of the invariant kernels; int8 the q8 one where shapes allow
+    # (int4's head is int8), int4 layers the q4 one.
+    assert forms <= {"PackedQ8", "PackedDense", "PackedQ4"}
+    assert ("PackedQ8" in forms) == (case in ("int8-q8-kernel", "int4"))
+    assert ("PackedQ4" in forms) == (case == "int4")
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in batched)
     assert differing(batched, alone) == []
 

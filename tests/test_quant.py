@@ -164,7 +164,7 @@ def test_recipe_specs_and_metadata():
     assert (r.granularity, r.embed, r.lm_head, r.activations) == ("channel", True, False, "none")
     assert Recipe.parse(r.spec) == r and Recipe.parse("int8").spec == "int8"
     assert from_metadata(r.to_dict()) == r and from_metadata("none") is None
-    for bad in ("int4", "int8:rows", "fp8:channel,tensor"):
+    for bad in ("int2", "int8:rows", "fp8:channel,tensor", "int4:tensor"):
         with pytest.raises(ValueError):
             Recipe.parse(bad)
 

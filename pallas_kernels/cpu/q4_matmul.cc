@@ -1,0 +1,279 @@
+// y[T, N] = x[T, K] @ W[K, N] with W 4-bit in groups of 32 along k: for k in group g,
+// W[k][n] = d[g][n] * c[k][n] + m[g][n], codes c in 0..15 and float16 d, m per group and
+// column. This is GGUF's Q4_1, so a Q4_1 checkpoint runs on its own weights, and a decode
+// step reads 0.625 bytes a weight where int8 reads 1.
+//
+// Each row of x is rounded to int8 per group of 32 (x ~ dx[r][g] * xq[r][k], |xq| <= 127,
+// llama.cpp's Q8_1), so a group's 32 products are one exact integer sum
+// s = sum_k xq[r][k] * c[k][n], summed with vpdpbusd (unsigned codes times signed x, 4
+// products a lane) where the CPU has AVX-512 VNNI, else vpmaddubsw + vpmaddwd. Then, group
+// by group in a fixed order and with one rounding per FMA,
+//   y += float(s) * (d[g][n] * dx[r][g]);  y += m[g][n] * (dx[r][g] * sum_k xq[r][k])
+// A row's result depends only on the row: not on the rows beside it, nor the tile.
+//
+// W comes packed in panels of 16 columns, 256 bytes per panel and group: byte
+// [h][j][i] (h < 4, j < 16, i < 4) holds the code of k = 4h + i in its low nibble and of
+// k = 16 + 4h + i in its high one, column j, so one 64-byte load and two masks give the
+// two 16-column x 4-k operands of a vpdpbusd. d and m are [panel][group][16].
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define XLASERVE_Q4_VNNI 1
+#else
+#define XLASERVE_Q4_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 16;     // columns per panel
+constexpr int64_t kGroup = 32;  // values of k per scale
+constexpr int64_t kPanelGroupBytes = kNR * kGroup / 2;
+#if XLASERVE_Q4_VNNI
+constexpr int64_t kMaxTile = 12;  // rows per tile: 12 integer + 12 float sums in 32 registers
+#else
+constexpr int64_t kMaxTile = 4;
+#endif
+
+// Rows [r0, r1) of x [T, K] rounded per group into the tile layout the tiles read: for the
+// tile of n rows starting at t0, xq as int32 quads of k, quad-major
+// (xt[t0 * K / 4 + (k / 4) * n + r - t0]), and per group dx and dx * sum(xq)
+// (at t0 * G + g * n + r - t0). A row holding an inf or a NaN gets dx = NaN, so its outputs
+// are NaN as a float product's would be; a group of zeros gets dx = 0.
+void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
+                  int32_t* xt, float* dx, float* xsum) {
+  const int64_t G = K / kGroup;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  xlaserve::EvenTiles(T, kMaxTile, [&](int64_t t0, int64_t n) {
+    for (int64_t r = std::max(r0, t0); r < std::min(r1, t0 + n); ++r) {
+      const float* xr = x + r * K;
+      __m256 bad = _mm256_setzero_ps();  // lanes that met an inf or a NaN
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
+      }
+      const bool finite = _mm256_movemask_ps(bad) == 0;
+      int32_t* quads = xt + t0 * (K / 4) + (r - t0);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* v = xr + g * kGroup;
+        __m256 a[4];
+        __m256 amax8 = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          a[i] = finite ? _mm256_loadu_ps(v + 8 * i) : _mm256_setzero_ps();
+          amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, a[i]));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, amax8);
+        float amax = 0.0f;
+        for (float l : lanes) amax = std::max(amax, l);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        __m256i total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {  // rounded to nearest, ties to even, as jnp.round
+          q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+          total = _mm256_add_epi32(total, q[i]);
+        }
+        // packs work within 128-bit lanes; this permutation puts k back in order
+        const __m256i w16a = _mm256_packs_epi32(q[0], q[1]);
+        const __m256i w16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        int32_t quad[8], sums[8];
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(quad), b8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), total);
+        int32_t sum = 0;
+        for (int i = 0; i < 8; ++i) {
+          quads[(g * (kGroup / 4) + i) * n] = quad[i];
+          sum += sums[i];
+        }
+        const float d = finite ? amax / 127.0f : NAN;
+        dx[t0 * G + g * n + (r - t0)] = d;
+        xsum[t0 * G + g * n + (r - t0)] = d * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+#if XLASERVE_Q4_VNNI
+// R rows against one panel. Each vpdpbusd waits for the one before it on the same sums, so
+// a tile of few rows keeps C sets of integer sums (the low and high nibbles' steps, then
+// odd and even h, apart) and adds them at the end of the group.
+template <int R>
+void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
+          const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y, int64_t N) {
+  constexpr int C = R >= 8 ? 1 : R >= 4 ? 2 : 4;
+  const int64_t G = K / kGroup;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  __m512i s[C][R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+    for (int i = 0; i < C * R; ++i) s[i / R][i % R] = _mm512_setzero_si512();
+    const uint8_t* w = codes + g * kPanelGroupBytes;
+    const int32_t* xp = xt + g * (kGroup / 4) * R;
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+      const __m512i v = _mm512_loadu_si512(w + h * 64);
+      const __m512i lo = _mm512_and_si512(v, mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      constexpr int c_lo = 0;
+      constexpr int c_hi = C >= 2 ? 1 : 0;
+      const int c_h = C >= 4 ? 2 * (h & 1) : 0;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        s[c_lo + c_h][r] = _mm512_dpbusd_epi32(s[c_lo + c_h][r], lo,
+                                               _mm512_set1_epi32(xp[h * R + r]));
+        s[c_hi + c_h][r] = _mm512_dpbusd_epi32(s[c_hi + c_h][r], hi,
+                                               _mm512_set1_epi32(xp[(h + 4) * R + r]));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + g * kNR)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + g * kNR)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512i t = s[0][r];
+#pragma GCC unroll 4
+      for (int c = 1; c < C; ++c) t = _mm512_add_epi32(t, s[c][r]);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[g * R + r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g * R + r]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+#else
+// AVX2: 8 columns at a time. vpmaddubsw's pairs of products (at most 2 * 15 * 127) fit its
+// int16 lanes, and vpmaddwd by ones widens them to int32: the same integer sums.
+template <int R>
+void HalfTile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
+              const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
+              int64_t N, int half) {
+  const int64_t G = K / kGroup;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    const uint8_t* w = codes + g * kPanelGroupBytes + half * 32;
+    const int32_t* xp = xt + g * (kGroup / 4) * R;
+    for (int h = 0; h < 4; ++h) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + h * 64));
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[h * R + r]));
+        const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[(h + 4) * R + r]));
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_add_epi16(a, b), ones));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + g * kNR + half * 8)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + g * kNR + half * 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[g * R + r]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[g * R + r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + half * 8, acc[r]);
+}
+
+template <int R>
+void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
+          const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y, int64_t N) {
+  HalfTile<R>(xt, dx, xsum, K, codes, dp, mp, y, N, 0);
+  HalfTile<R>(xt, dx, xsum, K, codes, dp, mp, y, N, 1);
+}
+#endif
+
+template <int R>
+void TileOf(int64_t rows, const int32_t* xt, const float* dx, const float* xsum, int64_t K,
+            const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
+            int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return TileOf<R - 1>(rows, xt, dx, xsum, K, codes, dp, mp, y, N);
+  }
+  Tile<R>(xt, dx, xsum, K, codes, dp, mp, y, N);
+}
+
+// Rows [0, T) against one panel, in tiles of at most kMaxTile rows as even as can be.
+void Panel(int64_t T, const int32_t* xt, const float* dx, const float* xsum, int64_t K,
+           const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
+           int64_t N) {
+  const int64_t G = K / kGroup;
+  xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
+    TileOf<kMaxTile>(n, xt + r * (K / 4), dx + r * G, xsum + r * G, K, codes, dp, mp,
+                     y + r * N, N);
+  });
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                    ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> m,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("q4_matmul: x must be [T, K] and y [T, N]");
+  const int64_t T = xd[0], K = xd[1], N = yd[1];
+  if (N % kNR != 0 || K % kGroup != 0 ||
+      codes.element_type() != ffi::DataType::U4 || static_cast<int64_t>(codes.element_count()) != K * N ||
+      static_cast<int64_t>(d.element_count()) != K / kGroup * N ||
+      static_cast<int64_t>(m.element_count()) != K / kGroup * N)
+    return ffi::Error::InvalidArgument(
+        "q4_matmul: K % 32 == 0, N % 16 == 0, K * N 4-bit codes in panels of 16 columns, "
+        "d and m K / 32 * N float16 values");
+  if (T == 0) return ffi::Error::Success();
+  const int64_t G = K / kGroup;
+  const float* xp = x.typed_data();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.untyped_data());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.typed_data());
+  float* yp = y->typed_data();
+
+  // The calling thread's buffers, read by the pool's threads until this call returns.
+  thread_local std::vector<int32_t> xt;
+  thread_local std::vector<float> dx, xsum;
+  if (xt.size() < static_cast<size_t>(T * K / 4)) xt.resize(T * K / 4);
+  if (dx.size() < static_cast<size_t>(T * G)) {
+    dx.resize(T * G);
+    xsum.resize(T * G);
+  }
+  int32_t* xtp = xt.data();
+  float* dxp = dx.data();
+  float* xsp = xsum.data();
+  xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
+    QuantizeRows(xp, r0, r1, T, K, xtp, dxp, xsp);
+  }, /*grain=*/std::max<int64_t>(1, 8192 / K));
+
+  xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      Panel(T, xtp, dxp, xsp, K, cp + p * K * kNR / 2, dp + p * G * kNR, mp + p * G * kNR,
+            yp + p * kNR, N);
+  }, /*grain=*/2);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q4_matmul, Q4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

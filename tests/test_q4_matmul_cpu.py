@@ -1,0 +1,150 @@
+"""The int4 CPU kernel (pallas_kernels/cpu/q4_matmul.cc) against plain jnp, int4 weights
+(quant/int4.py: GGUF's Q4_1 form) and the packed form prepare_params makes for them."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.runtime_params import prepare_params
+from model.transformer import init_params
+from pallas_kernels import cpu_ffi
+from pallas_kernels.q4_matmul_cpu import (pack_panels, q4_matmul, q4_matmul_reference,
+                                          unpack_panels)
+from quant.int4 import Int4Array, dequantize_int4, quantize_int4
+from quant.packed import PackedQ4, PackedQ8
+from quant.recipe import Recipe, describe, quantize_params
+from tests.test_q8_matmul_cpu import cfg_for, logits
+
+
+def weight(rng, K, N):
+    codes = rng.integers(0, 16, (K, N)).astype(np.uint8)
+    d = (rng.random((K // 32, N)) / 50).astype(np.float16)
+    m = (-rng.random((K // 32, N)) / 6).astype(np.float16)
+    return codes, d, m
+
+
+def dense(codes, d, m):
+    K, N = codes.shape
+    w = (codes.reshape(K // 32, 32, N).astype(np.float64) * d.astype(np.float64)[:, None]
+         + m.astype(np.float64)[:, None])
+    return w.reshape(K, N)
+
+
+def test_the_kernel_builds_here():
+    assert cpu_ffi.available("q4_matmul")
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 12, 13, 33, 130])
+@pytest.mark.parametrize("K,N", [(32, 16), (96, 48), (576, 960), (1536, 32)])
+def test_q4_matmul_matches_reference(T, K, N):
+    rng = np.random.default_rng(T * 1000 + K + N)
+    codes, d, m = weight(rng, K, N)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    got = np.asarray(jax.jit(q4_matmul)(x, *pack_panels(codes, d, m)))
+    want = np.asarray(q4_matmul_reference(x, codes, d, m))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # rounding x to int8 per 32 values moves the float64 product by well under 1% of its range
+    exact = x.astype(np.float64) @ dense(codes, d, m)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-2 * np.abs(exact).max())
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    rng = np.random.default_rng(7)
+    packed = pack_panels(*weight(rng, 1536, 64))
+    x = (rng.standard_normal((40, 1536)) * rng.random((40, 1))).astype(np.float32)
+    together = np.asarray(q4_matmul(x, *packed))
+    for rows in [slice(3, 4), slice(0, 5), slice(10, 17), slice(1, 40)]:
+        np.testing.assert_array_equal(np.asarray(q4_matmul(x[rows], *packed)), together[rows])
+
+
+def test_zero_and_non_finite_rows():
+    rng = np.random.default_rng(3)
+    codes, d, m = weight(rng, 64, 32)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    x[1] = 0.0
+    x[4, 5] = np.nan
+    x[7, 60] = -np.inf
+    got = np.asarray(q4_matmul(x, *pack_panels(codes, d, m)))
+    assert (got[1] == 0).all()
+    assert np.isnan(got[4]).all() and np.isnan(got[7]).all()
+    ok = [0, 2, 3, 5, 6, 8]
+    np.testing.assert_allclose(got[ok], np.asarray(q4_matmul_reference(x[ok], codes, d, m)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_leading_axes_and_dtype():
+    rng = np.random.default_rng(1)
+    codes, d, m = weight(rng, 64, 32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.bfloat16)
+    got = q4_matmul(x, *pack_panels(codes, d, m))
+    assert got.shape == (2, 3, 32) and got.dtype == jnp.bfloat16
+
+
+def test_panels_round_trip_and_layout():
+    rng = np.random.default_rng(2)
+    codes, d, m = weight(rng, 64, 32)
+    packed, dp, mp = pack_panels(codes, d, m)
+    assert packed.shape == codes.shape and packed.dtype == jnp.uint4
+    for got, want in zip(unpack_panels(packed, dp, mp), (codes, d, m)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    # byte [panel][group][h][column][i]: low nibble k = 4h + i, high nibble k = 16 + 4h + i
+    flat = np.asarray(packed.astype(jnp.uint8)).reshape(2, 2, 4, 16, 4, 2)
+    assert flat[1, 0, 2, 3, 1, 0] == codes[9, 16 + 3]
+    assert flat[0, 1, 3, 7, 2, 1] == codes[32 + 16 + 14, 7]
+    assert np.asarray(dp)[1, 1, 5] == d[1, 16 + 5]
+
+
+def test_int4_gives_back_q4_1_weights_exactly():
+    """Weights that already are d * code + m with float16 d and m (a Q4_1 file's, as the demo
+    model's layers are) quantize to their own codes, scales and offsets."""
+    rng = np.random.default_rng(5)
+    codes, d, m = weight(rng, 128, 48)
+    codes[0] = 0  # every group spans the whole range, as Q4_1's quantizer makes it
+    codes[31] = codes[63] = codes[95] = codes[127] = 15
+    codes[32] = codes[64] = codes[96] = 0
+    w = dense(codes, d, m).astype(np.float32)
+    q = quantize_int4(w)
+    np.testing.assert_array_equal(np.asarray(q.values.astype(jnp.uint8)), codes)
+    np.testing.assert_array_equal(np.asarray(q.scale), d)
+    np.testing.assert_array_equal(np.asarray(q.zero), m)
+    np.testing.assert_array_equal(np.asarray(dequantize_int4(q)), w)
+    # any other weight: within half a step of its group
+    other = rng.standard_normal((64, 16)).astype(np.float32)
+    q = quantize_int4(other)
+    step = np.repeat(np.asarray(q.scale, np.float32), 32, axis=0)
+    assert (np.abs(np.asarray(dequantize_int4(q)) - other) <= 0.5 * step + 1e-3).all()
+
+
+def test_recipe_int4_and_its_errors():
+    r = Recipe.parse("int4:lm_head")
+    assert (r.scheme, r.granularity, r.lm_head, r.spec) == ("int4", "group", True, "int4:lm_head")
+    assert Recipe.parse(r.spec) == r
+    for bad in ("int4:channel", "int8:group"):
+        with pytest.raises(ValueError, match="per group of 32"):
+            Recipe.parse(bad)
+    odd = cfg_for(True, vocab=112).__class__("LlamaForCausalLM", vocab_size=112,
+                                              hidden_size=48, intermediate_size=96,
+                                              num_layers=1, num_heads=4, num_kv_heads=2,
+                                              head_dim=12, tie_word_embeddings=True,
+                                              sliding_windows=(0,))
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantize_params(init_params(odd), "int4")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_model_runs_the_kernel_with_the_logits_of_its_weights(tied):
+    cfg = cfg_for(tied, vocab=112)
+    params = quantize_params(init_params(cfg), "int4:lm_head")
+    assert describe(params).startswith("int4 per group of 32 + int8 per channel")
+    run = prepare_params(params)
+    kinds = [type(a) for a in jax.tree.leaves(
+        run, is_leaf=lambda a: isinstance(a, (PackedQ4, PackedQ8)))]
+    assert kinds.count(PackedQ4) == 4 * cfg.num_layers  # qkv, o, gate_up, down
+    assert isinstance(run["lm_head"]["kernel"], PackedQ8)
+    # the reference path (no kernel: dequantized weights in XLA's dot) gives the same logits
+    # up to the kernel's rounding of x to int8 per 32 values
+    plain = prepare_params(params, pack=False)
+    assert isinstance(plain["layers"][0]["mlp"]["gate_up_proj"]["kernel"], Int4Array)
+    got, want = logits(cfg, run), logits(cfg, plain)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+    assert not np.array_equal(got, want)  # the kernel did run
