@@ -51,11 +51,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", *ATTENTION_BACKENDS],
                    help="auto: pallas on a GPU, the C++ kernel (cpu) or blocked elsewhere")
     p.add_argument("--quantize", "--quantization", dest="quantize", default="auto",
-                   metavar="auto|none|int8|fp8",
+                   metavar="auto|none|int8|int4|fp8",
                    help="quantize an unquantized model's weights as it loads: int8 (per "
-                        "channel), fp8 (per tensor, fp8 GEMM) or a recipe such as "
-                        "fp8:channel or int8:embed,lm_head; a quantized checkpoint needs none. "
-                        "auto (default): the checkpoint's weights, but int8:lm_head for the "
+                        "channel), int4 (groups of 32, GGUF's Q4_1), fp8 (per tensor, fp8 "
+                        "GEMM) or a recipe such as fp8:channel or int8:embed,lm_head; a "
+                        "quantized checkpoint needs none. "
+                        "auto (default): the checkpoint's weights, but int4:lm_head for the "
                         "demo model on a CPU; none: the checkpoint's")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model's dtype; float16 for the demo "

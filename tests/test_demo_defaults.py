@@ -17,7 +17,7 @@ def resolved(on_gpu=False, **kwargs):
 
 def test_the_demo_on_a_cpu_gets_the_fast_configuration(caplog):
     with caplog.at_level(logging.INFO, logger="xlaserve"):
-        assert resolved() == ("int8:lm_head", "float16")
+        assert resolved() == ("int4:lm_head", "float16")
     assert "fastest measured configuration" in caplog.text
 
 
@@ -29,7 +29,7 @@ def test_a_named_model_keeps_its_checkpoint_and_dtype():
 @pytest.mark.parametrize("kwargs,want", [
     (dict(quantize="none", kv_cache_dtype="float32"), (None, "float32")),  # the exact demo
     (dict(quantize="fp8"), ("fp8", "float16")),
-    (dict(kv_cache_dtype="int8"), ("int8:lm_head", "int8")),
+    (dict(kv_cache_dtype="int8"), ("int4:lm_head", "int8")),
     (dict(model="m", quantize="int8", kv_cache_dtype="bfloat16"), ("int8", "bfloat16")),
     (dict(model="m", quantize=None), (None, "auto")),
 ])

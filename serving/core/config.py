@@ -35,7 +35,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Weights: None or "none" keeps the checkpoint's (a quantized checkpoint loads quantized);
     # "int8", "fp8" or a recipe spec (quant/recipe.py) quantizes an unquantized model as it
-    # loads; "auto": the checkpoint's, but int8:lm_head for the demo model on a CPU
+    # loads; "auto": the checkpoint's, but int4:lm_head for the demo model on a CPU
     # (serving/engine/demo_defaults.py)
     quantize: str | None = "auto"
     # "auto" (the model's dtype; float16 for the demo model on a CPU), a float dtype, or

@@ -2,11 +2,11 @@
 
 For a model the user names, "auto" keeps the checkpoint's weights (quantized or not) and
 stores the KV cache in the model's dtype, as vLLM does. For the demo model (no model named)
-on a CPU it is the fastest configuration docs/benchmarks.md measured: int8 weights with an
+on a CPU it is the fastest configuration docs/benchmarks.md measured: int4 weights with an
 int8 head and a float16 KV cache. The demo's weights come from a 4-bit GGUF (the file
-llama.cpp serves), so int8 on top of them costs almost nothing in perplexity (the numbers are
-in docs/benchmarks.md, "Fast defaults"). `quantize="none"` with `kv_cache_dtype="float32"`
-serves the demo exactly as converted.
+llama.cpp serves, Q4_1 layers and a Q8_0 embedding); int4 gives back the layers' own codes,
+and the perplexity costs are in docs/benchmarks.md ("The int4 kernel"). `quantize="none"`
+with `kv_cache_dtype="float32"` serves the demo exactly as converted.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from serving.core.config import EngineConfig
 
 log = logging.getLogger("xlaserve")
 
-CPU_DEMO_QUANTIZE = "int8:lm_head"
+CPU_DEMO_QUANTIZE = "int4:lm_head"
 CPU_DEMO_KV_CACHE_DTYPE = "float16"
 
 
