@@ -1,7 +1,8 @@
 """Time the matmuls of a decode step alone: SmolLM2-135M's 30 layers (q/k/v joined 576x960,
 o 576x576, gate/up joined 576x3072, down 1536x576) chained in one program, for int8 weights
-through our CPU kernel, int8 weights through XLA, float32 weights through XLA, and float32 /
-bfloat16 weights through our batch-invariant dense kernel (dense, dense-bf16).
+through our CPU kernel, int4 weights (groups of 32) through theirs, int8 weights through XLA,
+float32 weights through XLA, and float32 / bfloat16 weights through our batch-invariant dense
+kernel (dense, dense-bf16).
 
     python scripts/bench_q8_matmul.py [--rows 1,16,64] [--layers 30] [--forms kernel,f32]
 """
@@ -19,11 +20,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from quant.array import quantize  # noqa: E402
+from quant.int4 import quantize_int4  # noqa: E402
 from quant.ops import matmul  # noqa: E402
-from quant.packed import pack, pack_dense  # noqa: E402
+from quant.packed import pack, pack_dense, pack_int4  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # one layer's [in, out]
-FORMS = ("kernel", "xla-int8", "f32", "dense", "dense-bf16")
+FORMS = ("kernel", "int4", "xla-int8", "f32", "dense", "dense-bf16")
 
 
 def weights(form: str, layers: int, rng):
@@ -31,7 +33,9 @@ def weights(form: str, layers: int, rng):
     for _ in range(layers):
         for k, n in SHAPES:
             w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k))
-            if form.startswith("dense"):
+            if form == "int4":
+                w = pack_int4(quantize_int4(w))
+            elif form.startswith("dense"):
                 w = pack_dense(w.astype(jnp.bfloat16) if form == "dense-bf16" else w)
             elif form != "f32":
                 w = quantize(w, jnp.int8, axes=(-2,))

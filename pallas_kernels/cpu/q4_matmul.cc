@@ -104,6 +104,17 @@ void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
   });
 }
 
+// A decode step's few rows leave the loads too little arithmetic to hide behind: ask for the
+// codes and scales kAhead groups on (into the next panel near a panel's end, which the same
+// thread usually takes next; a prefetch past the weights' end is dropped, never a fault).
+constexpr int64_t kAhead = 8;
+inline void Prefetch(const uint8_t* w, const uint16_t* dp, const uint16_t* mp) {
+  for (int i = 0; i < 4; ++i) _mm_prefetch((const char*)(w + kAhead * kPanelGroupBytes + 64 * i),
+                                           _MM_HINT_T0);
+  _mm_prefetch((const char*)(dp + kAhead * kNR), _MM_HINT_T0);
+  _mm_prefetch((const char*)(mp + kAhead * kNR), _MM_HINT_T0);
+}
+
 #if XLASERVE_Q4_VNNI
 // R rows against one panel. Each vpdpbusd waits for the one before it on the same sums, so
 // a tile of few rows keeps C sets of integer sums (the low and high nibbles' steps, then
@@ -123,6 +134,7 @@ void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
     for (int i = 0; i < C * R; ++i) s[i / R][i % R] = _mm512_setzero_si512();
     const uint8_t* w = codes + g * kPanelGroupBytes;
     const int32_t* xp = xt + g * (kGroup / 4) * R;
+    if constexpr (R < 4) Prefetch(w, dp + g * kNR, mp + g * kNR);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
       const __m512i v = _mm512_loadu_si512(w + h * 64);
