@@ -8,7 +8,8 @@ with scale and zero float16, as Q4_1 stores them: `quantize_int4` of a Q4_1 chec
 dequantized weights (the demo model's) gives back its codes, scales and offsets, so the
 weights served are the file's own. Stacked layers add a leading axis to all three.
 
-values is a uint4 array of the kernel's shape (two codes a byte in memory); Flax compares a
+values is a uint8 array of the kernel's shape, a code a byte (checkpoints store no uint4;
+the CPU kernel's packed form, quant/packed.PackedQ4, holds two a byte). Flax compares a
 stored parameter's first leaf with the declared shape, and values is that leaf.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ LEVELS = 15  # codes 0..15
 @jax.tree_util.register_dataclass
 @dataclass
 class Int4Array(ValuesShaped):
-    values: jax.Array  # uint4 [..., in, out]
+    values: jax.Array  # uint8 [..., in, out], codes 0..15
     scale: jax.Array  # float16 [..., in // 32, out]
     zero: jax.Array  # float16 [..., in // 32, out]
 
@@ -42,7 +43,7 @@ class Int4Array(ValuesShaped):
 
     @property
     def nbytes(self) -> int:
-        codes = int(np.prod(self.values.shape)) // 2
+        codes = int(np.prod(self.values.shape))
         return codes + sum(int(np.prod(a.shape)) * 2 for a in (self.scale, self.zero))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
@@ -71,7 +72,7 @@ def quantize_int4(x) -> Int4Array:
     s32, z32 = scale.astype(jnp.float32)[..., None, :], zero.astype(jnp.float32)[..., None, :]
     codes = jnp.round(jnp.where(s32 > 0, (g - z32) / jnp.where(s32 > 0, s32, 1.0), 0.0))
     codes = jnp.clip(codes, 0, LEVELS).astype(jnp.uint8).reshape(x.shape)
-    return Int4Array(codes.astype(jnp.uint4), scale, zero)
+    return Int4Array(codes, scale, zero)
 
 
 def dequantize_int4(q: Int4Array, dtype=jnp.float32) -> jax.Array:

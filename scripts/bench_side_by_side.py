@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
     p.add_argument("--ours-args", default="",
                    help="extra flags for `xlaserve serve` (default: none, so its defaults run: "
-                        "for the demo on a CPU int8 weights and head, a float16 KV cache)")
+                        "for the demo on a CPU int4 weights, an int8 head, a float16 KV cache)")
     p.add_argument("--llama-args", default="", help="extra flags for llama-server")
     p.add_argument("--rounds", type=int, default=3,
                    help="times each level runs on each server, servers taking turns")

@@ -148,3 +148,17 @@ def test_int4_model_runs_the_kernel_with_the_logits_of_its_weights(tied):
     got, want = logits(cfg, run), logits(cfg, plain)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
     assert not np.array_equal(got, want)  # the kernel did run
+
+
+def test_an_int4_checkpoint_loads_as_it_was_quantized(tmp_path):
+    from model.checkpoint import convert_hf, load_model
+    from tests.hf_tiny import tiny_hf_model
+    tiny_hf_model("llama", tmp_path / "hf", hidden_size=64, intermediate_size=96,
+                  num_attention_heads=4, head_dim=16, vocab_size=224)
+    convert_hf(tmp_path / "hf", tmp_path / "ckpt", "float32", progress=False,
+               quantize="int4:lm_head")
+    _, stored = load_model(tmp_path / "ckpt", None, progress=False)
+    _, direct = load_model(tmp_path / "hf", None, progress=False, quantize="int4:lm_head")
+    assert describe(stored) == describe(direct)
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(direct)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
