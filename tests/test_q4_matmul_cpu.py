@@ -162,3 +162,16 @@ def test_an_int4_checkpoint_loads_as_it_was_quantized(tmp_path):
     assert describe(stored) == describe(direct)
     for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(direct)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_int4_splits_between_devices_in_whole_groups():
+    from model.sharding import _cut
+    w = quantize_int4(np.random.default_rng(0).standard_normal((128, 32)).astype(np.float32))
+    rows = _cut(w, -2, 64, 128)  # row-parallel: the second half of the inputs
+    np.testing.assert_array_equal(np.asarray(dequantize_int4(rows)),
+                                  np.asarray(dequantize_int4(w))[64:])
+    cols = _cut(w, -1, 16, 32)
+    np.testing.assert_array_equal(np.asarray(dequantize_int4(cols)),
+                                  np.asarray(dequantize_int4(w))[:, 16:])
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        _cut(w, -2, 0, 48)

@@ -1,6 +1,6 @@
 """Tensor parallelism (docs/architecture.md, "Tensor parallelism") on simulated CPU devices:
 every family gives TP=1's tokens and logprobs at TP=N (KV heads fewer than N, biases on
-row-parallel layers, a padded vocabulary, quantized weights and KV cache, the pallas kernel
+row-parallel layers, a padded vocabulary, quantized weights (int8, fp8, int4) and KV cache, the pallas kernel
 in interpret mode, the demo model at TP=3); sizes that do not split a model are refused
 before any weight loads.
 
@@ -41,6 +41,10 @@ def models(tmp_path_factory):
                           ("mistral", {}), ("qwen2", {}), ("qwen3", {})):
         made[family] = root / family
         tiny_hf_model(family, made[family], seed=1, **SHAPES, **extra)
+    # int4 splits row-parallel inputs in whole groups of 32: 128 / 2 for o_proj and down_proj
+    made["llama-int4"] = root / "llama-int4"
+    tiny_hf_model("llama", made["llama-int4"], seed=1,
+                  **{**SHAPES, "intermediate_size": 128, "head_dim": 16})
     return made
 
 
@@ -57,6 +61,8 @@ def cases(models, demo_checkpoint) -> dict:
         "qwen3-fp8-kv-int8": dict(model=str(models["qwen3"]), sizes=[1, 4],
                                   options=dict(cpu, quantize="fp8", kv_cache_dtype="int8"),
                                   kv_heads=1),
+        "llama-int4": dict(model=str(models["llama-int4"]), sizes=[1, 2],
+                           options=dict(cpu, quantize="int4:lm_head"), kv_heads=1),
         # 9 heads, 3 KV heads; TP=1 is the session's shared demo engine (tests/demo_engine.py,
         # its checkpoint as converted), which other modules reuse.
         "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
@@ -77,7 +83,8 @@ def results(models, demo_checkpoint, tmp_path_factory):
     return spec, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "demo")
+CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
+         "demo")
 
 
 def demo_tp1(checkpoint) -> dict:
