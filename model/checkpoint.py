@@ -20,8 +20,7 @@ import orbax.checkpoint as ocp
 
 from model.config import ModelConfig
 from model.hf_weights import abstract_params, load_hf_params, np_dtype
-from quant.array import QuantArray
-from quant.int4 import Int4Array
+from quant.int4 import is_quantized
 from quant.recipe import Recipe, abstract_quantized, from_metadata, quantize_params
 
 METADATA = "xlaserve.json"
@@ -125,9 +124,8 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
     cfg = stored.with_dtype(dtype) if dtype else stored
     if cfg.dtype != stored.dtype:  # quantized weights stay as they are
         params = jax.tree.map(
-            lambda a: a if isinstance(a, (QuantArray, Int4Array)) else a.astype(
-                np_dtype(cfg.dtype)),
-            params, is_leaf=lambda a: isinstance(a, (QuantArray, Int4Array)))
+            lambda a: a if is_quantized(a) else a.astype(np_dtype(cfg.dtype)),
+            params, is_leaf=is_quantized)
     return cfg, params
 
 

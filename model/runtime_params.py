@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from quant import packed
 from quant.array import QuantArray
-from quant.int4 import Int4Array, concat_int4
+from quant.int4 import Int4Array, concat_int4, is_quantized
 
 JOINED = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
           "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
@@ -75,8 +75,7 @@ def _pack(params):
         if packed.dense_packable(a):
             return packed.pack_dense(a)
         return packed.pack_codes(a) if packed.codes_packable(a) else a
-    params = jax.tree_util.tree_map_with_path(
-        one, params, is_leaf=lambda a: isinstance(a, (QuantArray, Int4Array)))
+    params = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
     if "lm_head" not in params:
         head = packed.pack_head(params["embed"])
         if head is None:

@@ -25,7 +25,7 @@ from model.kv_cache import KVCache
 from model.layers import embed
 from model.runtime_params import prepare_params
 from quant.array import QuantArray
-from quant.int4 import GROUP, Int4Array
+from quant.int4 import GROUP, Int4Array, is_quantized
 
 AXIS = "model"
 # KV cache [L, pages, page_size, K, D] (scales [L, pages, page_size, K]): by KV head.
@@ -153,8 +153,7 @@ def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
             return _cut(leaf, -2, *ranges[module])
         return _cut(leaf, -1, *ranges[module])
 
-    return jax.tree_util.tree_map_with_path(
-        one, params, is_leaf=lambda a: isinstance(a, (QuantArray, Int4Array)))
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
 
 
 def mesh_devices(mesh) -> list:

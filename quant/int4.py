@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from quant.array import ValuesShaped
+from pallas_kernels.q4_matmul_cpu import GROUP  # values of the input axis per scale and zero
+from quant.array import QuantArray, ValuesShaped
 
-GROUP = 32  # values of the input axis per scale and zero
 LEVELS = 15  # codes 0..15
 
 
@@ -37,17 +36,15 @@ class Int4Array(ValuesShaped):
     def scheme(self) -> str:
         return "int4"
 
-    @property
-    def per_tensor(self) -> bool:
-        return False
-
-    @property
-    def nbytes(self) -> int:
-        codes = int(np.prod(self.values.shape))
-        return codes + sum(int(np.prod(a.shape)) * 2 for a in (self.scale, self.zero))
-
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return dequantize_int4(self, dtype)
+
+
+QUANTIZED = (QuantArray, Int4Array)  # every quantized weight form: leaves of a tree walk
+
+
+def is_quantized(a) -> bool:
+    return isinstance(a, QUANTIZED)
 
 
 def check_shape(shape: tuple[int, ...]) -> None:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from quant import packed
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
-from quant.int4 import Int4Array, matmul_int4
+from quant.int4 import Int4Array, is_quantized, matmul_int4
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -89,6 +89,5 @@ def take(table, ids, dtype):
 
 def dequantize_tree(params, dtype=jnp.float32):
     """Every QuantArray and Int4Array in a tree replaced by its dequantized array."""
-    kinds = (QuantArray, Int4Array)
-    return jax.tree.map(lambda a: a.dequantize(dtype) if isinstance(a, kinds) else a,
-                        params, is_leaf=lambda a: isinstance(a, kinds))
+    return jax.tree.map(lambda a: a.dequantize(dtype) if is_quantized(a) else a,
+                        params, is_leaf=is_quantized)

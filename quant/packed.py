@@ -141,7 +141,7 @@ def int4_packable(w) -> bool:
 
 
 def pack_int4(w: Int4Array) -> PackedQ4:
-    return PackedQ4(*q4_matmul_cpu.pack_panels(w.values.astype(jnp.uint8), w.scale, w.zero))
+    return PackedQ4(*q4_matmul_cpu.pack_panels(w.values, w.scale, w.zero))
 
 
 def q4_matmul(x, w: PackedQ4):

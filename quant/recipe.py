@@ -127,8 +127,8 @@ def quantize_params(params: dict, recipe: "Recipe | str") -> dict:
         axes = _axes(names, recipe, tied)
         if axes is None:
             return leaf
-        if recipe.scheme == "int4":
-            if axes == (-2,) and names[0] == "layers":
+        if recipe.scheme == "int4":  # layers in int4, the embedding and head in int8
+            if names[0] == "layers":
                 return _int4_jit()(leaf)
             return _quantize_jit(storage_dtype("int8"), axes)(leaf)
         return _quantize_jit(storage_dtype(recipe.scheme), axes)(leaf)
@@ -169,11 +169,9 @@ def describe(params) -> str:
     """'not quantized', or e.g. 'int8 per channel, 7 of 11 tensors': what a tree holds."""
     import jax
 
-    from quant.array import QuantArray
-    from quant.int4 import Int4Array
-    kinds = (QuantArray, Int4Array)
-    leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, kinds))
-    quantized = [a for a in leaves if isinstance(a, kinds)]
+    from quant.int4 import Int4Array, is_quantized
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    quantized = [a for a in leaves if is_quantized(a)]
     if not quantized:
         return "not quantized"
     schemes = sorted({f"{a.scheme} per " + ("group of 32" if isinstance(a, Int4Array) else

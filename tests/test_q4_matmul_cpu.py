@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model.config import ModelConfig
 from model.runtime_params import prepare_params
 from model.transformer import init_params
 from pallas_kernels import cpu_ffi
@@ -122,11 +123,9 @@ def test_recipe_int4_and_its_errors():
     for bad in ("int4:channel", "int8:group"):
         with pytest.raises(ValueError, match="per group of 32"):
             Recipe.parse(bad)
-    odd = cfg_for(True, vocab=112).__class__("LlamaForCausalLM", vocab_size=112,
-                                              hidden_size=48, intermediate_size=96,
-                                              num_layers=1, num_heads=4, num_kv_heads=2,
-                                              head_dim=12, tie_word_embeddings=True,
-                                              sliding_windows=(0,))
+    odd = ModelConfig("LlamaForCausalLM", vocab_size=112, hidden_size=48, intermediate_size=96,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
+                      tie_word_embeddings=True, sliding_windows=(0,))
     with pytest.raises(ValueError, match="groups of 32"):
         quantize_params(init_params(odd), "int4")
 
