@@ -132,7 +132,7 @@ def test_prepared_weights_free_the_stacked_tree(tiny_dir):
 def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
     """An engine on this CPU that sizes its cache as on a GPU reporting `limit` bytes."""
     from model.kv_cache import KVCache
-    from serving.engine import llm_engine
+    from serving.engine import llm_engine, mesh
     allocated = []  # pages of each KV cache made on the device (traced ones are not)
     zeros = KVCache.zeros.__func__
 
@@ -143,7 +143,7 @@ def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
         return cache
 
     monkeypatch.setattr(KVCache, "zeros", classmethod(recording))
-    monkeypatch.setattr(llm_engine, "gpu_memory_limit", lambda: limit)
+    monkeypatch.setattr(mesh, "gpu_memory_limit", lambda where: limit)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     options = dict(model=str(tiny_dir), load_format="dummy", compilation_cache_dir=None,
                    progress=False, max_num_seqs=4, max_num_batched_tokens=32, **options)

@@ -35,7 +35,7 @@ from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.request import Request
 from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
-                                   disable_jax_compilation_cache, gpu_memory_limit)
+                                   disable_jax_compilation_cache)
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
@@ -120,8 +120,7 @@ class LLMEngine:
                                   executable_dir=self.executable_dir, placement=self.placement)
         del params
         self.memory_plan = None
-        limit = (gpu_memory_limit() if self.placement.size == 1
-                 else mesh.gpu_memory_limit(self.placement))
+        limit = mesh.gpu_memory_limit(self.placement)
         if limit:
             self.memory_plan = sizing.gpu_plan(
                 ec, self.cfg, page_bytes,

@@ -158,8 +158,9 @@ def per_device_bytes(tree) -> dict:
 
 
 def gpu_memory_limit(where) -> int | None:
-    """The smallest allocator limit of the mesh's GPUs (each holds the same share); None
-    off-GPU."""
+    """The smallest allocator limit of the placement's GPUs (each holds the same share; what
+    the memory plan divides); None off-GPU, where host memory is shared with everything else
+    and the KV cache has a fixed size."""
     if jax.default_backend() != "gpu":
         return None
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in where.devices]

@@ -332,12 +332,6 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
-def gpu_memory_limit() -> int | None:
-    """The allocator's limit on a GPU (what the memory plan divides); None off-GPU, where
-    host memory is shared with everything else and the KV cache has a fixed size."""
-    return device_memory_bytes() if jax.default_backend() == "gpu" else None
-
-
 def device_peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
