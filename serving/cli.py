@@ -17,6 +17,7 @@ from serving.core.config import EngineConfig, default_cache_root
 from serving.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 
 TOOL_PARSERS = ("hermes", "llama3_json")  # serving/openai/tool_parsers.py
+from serving.openai.reasoning_parsers import PARSERS as REASONING_PARSERS  # noqa: E402 - plain Python
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -89,6 +90,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--process-id", type=int, default=0,
                    help="this process's rank; 0 serves HTTP and schedules, the others run "
                         "its steps")
+    p.add_argument("--task", choices=["generate", "embed"], default="generate",
+                   help="embed: serve the model as an embedding model (/v1/embeddings; the "
+                        "generation routes answer 400)")
+    p.add_argument("--runner", choices=["generate", "pooling"], default=None,
+                   help="vLLM's newer name for the same choice: pooling is --task embed")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='with --task embed, vLLM\'s keys: \'{"pooling_type": "MEAN", '
+                        '"normalize": true}\' (LAST, MEAN or CLS; default: the model '
+                        "folder's sentence-transformers files, else LAST with normalize)")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -150,6 +160,7 @@ def _engine_config(args) -> EngineConfig:
                   tensor_parallel_size=args.tensor_parallel_size,
                   coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id,
+                  task=args.task, runner=args.runner, pooler_config=args.pooler_config,
                   token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off
@@ -189,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "the model's tool calls with --tool-call-parser (on for the demo)")
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                        help="how the model writes tool calls (the demo: hermes)")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="return the model's <think>...</think> apart from the answer "
+                            "(message.reasoning_content); constraints apply to the answer")
+    serve.add_argument("--disable-responses-store", action="store_true",
+                       help="the Responses API stores nothing: previous_response_id and GET "
+                            "/v1/responses/{id} find nothing, an explicit store: true is a 400")
     warm = sub.add_parser("warmup", help="compile every bucket into the compilation cache",
                           formatter_class=defaults)
     _engine_args(warm)
@@ -251,7 +268,8 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
         async_engine, args.host, args.port, served_model_name=name, api_key=args.api_key,
         max_queued_requests=args.max_queued_requests, grace_period_s=args.grace_period,
         chat_template=chat_template, tool_call_parser=tool_call_parser,
-        access_log=not args.disable_access_log))
+        access_log=not args.disable_access_log, reasoning_parser=args.reasoning_parser,
+        disable_responses_store=args.disable_responses_store))
     # /health answers 503 while the programs compile; warm-up runs off the event loop.
     warm = _start_in_background(async_engine)
     try:

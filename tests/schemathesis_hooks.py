@@ -3,13 +3,15 @@ generated request cheap to serve (a few output tokens, few choices). The bodies 
 under /openapi.json; only the cost of generating them changes."""
 import schemathesis
 
-LIMITS = {"max_tokens": 3, "max_completion_tokens": 3, "n": 2, "best_of": 2}
+LIMITS = {"max_tokens": 3, "max_completion_tokens": 3, "max_output_tokens": 3, "n": 2,
+          "best_of": 2}
 
 
 @schemathesis.hook
 def before_call(context, case, **kwargs):
     body = case.body
-    if not (isinstance(body, dict) and case.path in ("/v1/completions", "/v1/chat/completions")):
+    if not (isinstance(body, dict) and case.path in ("/v1/completions", "/v1/chat/completions",
+                                                     "/v1/responses")):
         return
     for name, most in LIMITS.items():
         value = body.get(name)
@@ -19,5 +21,7 @@ def before_call(context, case, **kwargs):
     if case.path == "/v1/chat/completions" and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_tokens"] = LIMITS["max_tokens"]  # else: what the context leaves
+    if case.path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = LIMITS["max_output_tokens"]
     if body.get("best_of") is not None and body.get("n") is not None:
         body["best_of"] = body["n"]

@@ -60,6 +60,14 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    # "generate", or "embed": an embedding model (/v1/embeddings, LLM.embed); vLLM's names
+    # (core/pooling_params.py). runner "pooling" (vLLM's newer flag) means task "embed".
+    task: str = "generate"
+    runner: str | None = None
+    # embed: how hidden states become a vector, vLLM's keys (JSON text or a dict:
+    # pooling_type LAST | MEAN | CLS, normalize); None: the model folder's
+    # sentence-transformers files, else LAST with normalize
+    pooler_config: str | dict | None = None
     progress: bool = True
 
     @classmethod

@@ -39,8 +39,10 @@ class KVCacheManager:
         return self._pages.get(request_id, [])
 
     def reads_cache(self, req: Request) -> bool:
-        # Prompt logprobs need every prompt position's logits, so those requests compute all.
-        return self.enable_caching and req.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need every prompt position's logits, and embeddings every
+        # position's hidden state, so those requests compute all.
+        return (self.enable_caching and req.sampling_params.prompt_logprobs is None
+                and req.pooling_params is None)
 
     def get_computed_pages(self, req: Request) -> list[int]:
         """The cached pages holding req's leading tokens (the longest run of hits, in whole
@@ -83,8 +85,9 @@ class KVCacheManager:
         return True
 
     def cache_computed(self, req: Request) -> None:
-        """Makes req's full pages whose every token is computed findable by later requests."""
-        if not self.enable_caching:
+        """Makes req's full pages whose every token is computed findable by later requests
+        (an embedding request's pages are freed without being cached: no KV kept after)."""
+        if not self.enable_caching or req.pooling_params is not None:
             return
         rid = req.request_id
         num_full = req.num_computed_tokens // self.page_size

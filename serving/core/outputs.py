@@ -35,6 +35,8 @@ class RequestOutput:
     # update only (the prefill computed them all by then).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which of the request's n samples this update belongs to
+    # An embedding request's vector (PoolingParams), on its one, finished update
+    embedding: list[float] | None = None
 
 
 @dataclass

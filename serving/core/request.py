@@ -54,6 +54,9 @@ class Request:
     # Tokens a proposer guesses follow the last one; the next step verifies them (then they
     # are cleared). Never part of the request's tokens until the target model accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # An embedding request (core/pooling_params.py): prefill only; it finishes when its
+    # prompt is computed, emits no token and leaves nothing in the prefix cache.
+    pooling_params: object | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

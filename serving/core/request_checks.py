@@ -61,3 +61,16 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len
             f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
             f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
     return max_tokens
+
+
+def fit_pooling_prompt(num_prompt_tokens: int, max_model_len: int, *,
+                       prompt_param: str = "input") -> None:
+    """The context length rule for embeddings: the prompt is all, so it may fill the context
+    (no room for an output token needed)."""
+    if num_prompt_tokens == 0:
+        raise RequestRefused("the input is empty", param=prompt_param)
+    if num_prompt_tokens > max_model_len:
+        raise RequestRefused(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"input has {num_prompt_tokens} tokens. Please reduce the length of the input.",
+            param=prompt_param, code="context_length_exceeded")

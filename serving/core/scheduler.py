@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
 from serving.core.request import Request, RequestStatus
-from serving.core.request_checks import RequestRefused, fit_max_tokens
+from serving.core.request_checks import RequestRefused, fit_max_tokens, fit_pooling_prompt
 from serving.core.spec_decode import SpecDecodeStats, check_verified, num_drafts
 
 
@@ -97,8 +97,11 @@ class Scheduler:
 
     def _check_fits(self, req: Request) -> None:
         cfg, n = self.config, req.num_prompt_tokens
-        fit_max_tokens(n, None, cfg.max_model_len)
-        pages = cdiv(n + 1, cfg.page_size)
+        if req.pooling_params is not None:  # an embedding: the prompt alone
+            fit_pooling_prompt(n, cfg.max_model_len, prompt_param="prompt")
+        else:
+            fit_max_tokens(n, None, cfg.max_model_len)
+        pages = cdiv(n + (req.pooling_params is None), cfg.page_size)
         if pages > self.allocator.num_usable_pages:
             raise RequestRefused(f"the prompt has {n} tokens and needs {pages} KV cache pages "
                                  f"of {cfg.page_size} tokens, but the cache has only "
@@ -248,6 +251,11 @@ class Scheduler:
             req.num_computed_tokens += sr.num_new_tokens
             self.kv_cache_manager.cache_computed(req)
             if not sr.samples:
+                continue
+            if req.pooling_params is not None:  # its prompt is computed: done, no token
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_STOPPED, None)
+                changed.append(req)
                 continue
             if token is None:
                 raise ValueError(f"request {req.request_id!r} samples this step but got None")

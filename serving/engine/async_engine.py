@@ -109,6 +109,9 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.max_logprobs = engine.config.max_logprobs
+        self.task = engine.task  # "generate" or "embed"
+        # --task embed: what the model allows (core/pooling_params.EmbeddingSpec); else None
+        self.embedding = engine.embedder.spec if engine.embedder else None
         self.ready = False
         self.dead: str | None = None  # why the engine died, once it has
         self.on_dead: list = []  # callables, run on the engine thread when it dies
@@ -149,6 +152,12 @@ class AsyncEngine:
             self._commands.append((self._add, (request_id, list(prompt_token_ids), params)))
             self._wake.notify()
         return stream
+
+    def encode(self, prompt_token_ids: list[int], params, request_id: str,
+               queue: asyncio.Queue | None = None) -> RequestStream:
+        """An embedding request (params: core.pooling_params.PoolingParams, on a --task
+        embed engine): one finished output carrying `embedding`. As generate() otherwise."""
+        return self.generate(prompt_token_ids, params, request_id, queue)
 
     async def compile_grammar(self, structured_outputs) -> None:
         """Compiles a constraint off the engine thread and the event loop, within the

@@ -49,8 +49,9 @@ _ROOT = Path(__file__).resolve().parents[2]
 # each key, so input_prep and the scheduler are not).
 _CODE = ("model", "pallas_kernels", "quant", "serving/engine/runner.py",
          "serving/engine/sampler.py", "serving/engine/prompt_logprobs.py",
-         "serving/engine/rejection_sampler.py", "serving/engine/token_bitmask.py",
-         "serving/engine/draft_model.py", "serving/engine/executable_cache.py")
+         "serving/engine/pooling.py", "serving/engine/rejection_sampler.py",
+         "serving/engine/token_bitmask.py", "serving/engine/draft_model.py",
+         "serving/engine/executable_cache.py")
 
 
 @functools.cache

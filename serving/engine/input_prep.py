@@ -14,6 +14,7 @@ from serving.core.grammar import step_bitmask
 from serving.core.sampling_params import MAX_LOGIT_BIAS
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput
 from serving.core.prompt_logprobs import wants_prompt_logprobs
+from serving.core.pooling import pooling_rows
 
 SINK_SLOT = 0  # padding tokens write to slot 0 of the reserved sink page 0
 
@@ -35,6 +36,9 @@ class StepArrays:
     # The first sampled row of each scheduled request (it has `num_rows` of them: one per
     # proposed token it verifies, then one)
     first_rows: list[int] | None = None
+    # bool[T]: the tokens whose final-normed hidden state an embedding request pools
+    # (serving.engine.pooling); None when no request of the step pools
+    pooling_rows: np.ndarray | None = None
 
 
 def step_shape(buckets: Buckets, num_tokens: int, num_pages: int,
@@ -52,7 +56,9 @@ def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int,
 
 
 def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
-            max_num_seqs: int, bitmask_width: int = 0) -> StepArrays:
+            max_num_seqs: int, bitmask_width: int = 0,
+            pooling_type: str | None = None) -> StepArrays:
+    """pooling_type: an embedding engine's (core/pooling_params.py), else None."""
     sched = out.scheduled
     T, R, P = step_shape(buckets, out.num_batched_tokens,
                          max(len(s.page_ids) for s in sched), max_num_seqs)
@@ -90,8 +96,10 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
     targets = prompt_targets(sched, T) if any(wants_prompt_logprobs(s) for s in sched) else None
     bitmask = step_bitmask(sched, R, bitmask_width, first_rows) if bitmask_width else None
     sampling["any_masked"] = np.bool_(bitmask is not None)
+    pooled = pooling_rows(sched, T, pooling_type) if pooling_type else None
     return StepArrays((T, R, P), batch, sampling, wants, prompt_targets=targets,
-                      history=history, bitmask=bitmask, first_rows=first_rows)
+                      history=history, bitmask=bitmask, first_rows=first_rows,
+                      pooling_rows=pooled)
 
 
 def _first_rows(sched: list[ScheduledRequest], R: int) -> list[int]:

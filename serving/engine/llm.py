@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model_dir, **engine_options).generate(prompts, params)`."""
+"""The offline API: `LLM(model_dir, **engine_options).generate(prompts, params)`, and on an
+embedding engine (`task="embed"`) `.embed(prompts)`, as vLLM's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 from serving.core.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
 from serving.core.outputs import CompletionOutput
+from serving.core.pooling_params import PoolingParams
 from serving.core.sampling_params import SamplingParams
 
 
@@ -34,6 +36,19 @@ class CompletionResult:
     @property
     def prompt_logprobs(self):
         return self.outputs[0].prompt_logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's shape: `.outputs.embedding`)."""
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None = None
+    finished: bool = False
 
 
 class LLM:
@@ -75,4 +90,42 @@ class LLM:
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 ids[out.request_id].outputs[out.index].add(out)
+        return results
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either; the engine must run
+        task="embed". pooling_params: one for all prompts or one each (dimensions,
+        normalize)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        if isinstance(params, PoolingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} PoolingParams for {len(prompts)} prompts")
+        results, ids = [], {}
+        try:
+            for prompt, p in zip(prompts, params):
+                tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self._counter += 1
+                request_id = f"offline-{self._counter}"
+                self.engine.add_request(request_id, tokens, p)
+                ids[request_id] = EmbeddingRequestOutput(tokens)
+                results.append(ids[request_id])
+        except BaseException:
+            for request_id in ids:  # as generate(): a refused prompt refuses the call
+                self.engine.abort(request_id)
+            raise
+        errors = []
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.error is not None:
+                    errors.append(out.error)  # the others still finish, then it is raised
+                    continue
+                result = ids[out.request_id]
+                result.finished = out.finished
+                result.outputs = EmbeddingOutput(out.embedding)
+        if errors:
+            raise RuntimeError(f"embedding request failed: {errors[0]}")
         return results

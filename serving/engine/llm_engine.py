@@ -41,6 +41,9 @@ from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
 from serving.engine.draft_model import DraftModel
+from serving.engine.embedder import Embedder, check_task
+from serving.core.pooling import EmbeddingCollector
+from serving.core.pooling_params import PoolingParams, resolve_task
 from serving.engine.spec_outputs import emitted_tokens, feed_until_stop
 
 log = logging.getLogger("xlaserve")
@@ -54,6 +57,7 @@ class _State:
     prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
     parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
     index: int = 0  # which of the parent's n samples
+    embedding: EmbeddingCollector | None = None  # an embedding request's pooled rows
 
 
 @dataclass
@@ -81,6 +85,9 @@ class LLMEngine:
         if ec.quantize:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
         self.speculative_config = SpeculativeConfig.parse(ec.speculative_config)
+        self.task = resolve_task(ec.task, ec.runner)
+        if self.task == "embed" and self.speculative_config:
+            raise ValueError("--speculative-config is for generation, not --task embed")
         if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model)
@@ -92,6 +99,9 @@ class LLMEngine:
         self.cfg, params = load_weights(self.model_dir, ec, dtype)
         self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
         self.tokenizer = load_tokenizer(self.model_dir)
+        # --task embed: pooler and model facts (a bad --pooler-config fails here)
+        self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
+                         if self.task == "embed" else None)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
         self.vocab_size = min(self.cfg.vocab_size, len(self.tokenizer)) if self.tokenizer \
@@ -117,7 +127,8 @@ class LLMEngine:
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
                                   max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size,
-                                  executable_dir=self.executable_dir, placement=self.placement)
+                                  executable_dir=self.executable_dir, placement=self.placement,
+                                  pooling=self.embedder is not None)
         del params
         self.memory_plan = None
         limit = mesh.gpu_memory_limit(self.placement)
@@ -202,6 +213,11 @@ class LLMEngine:
             report.seconds += draft.seconds
             report.loaded += draft.loaded
             report.wall += draft.wall
+        if self.runner.pooling:  # counted with the others; generation engines have none
+            seconds, loaded = self.runner.pooling.compile()
+            report.seconds.append(seconds)
+            report.loaded += loaded
+            report.wall += seconds
         self.warmup_report = report
         self.timings["compile/load"] = report.wall
         started = time.perf_counter()
@@ -224,6 +240,7 @@ class LLMEngine:
                 f"-> {len(self.step_shapes)} programs; prefix caching "
                 f"{'on' if self.config.enable_prefix_caching else 'off'}"
                 + (f"; speculative decoding {self._spec_description()}" if self.drafter else "")
+                + (f"; {self.embedder.describe()}" if self.embedder else "")
                 + (f"; {self.memory_plan.describe()}" if self.memory_plan else ""))
 
     def _spec_description(self) -> str:
@@ -236,7 +253,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        """Queues a request; raises ValueError if it can never run."""
+        """Queues a request (an embedding one with PoolingParams, on a --task embed
+        engine); raises ValueError if it can never run."""
+        check_task(self.task, params)
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt_token_ids, params)
         check_request_token_ids(prompt_token_ids, params, self.vocab_size)
         check_logprobs(params, self.config.max_logprobs)
         parent = ParentRequest.expand(request_id, prompt_token_ids, params, self._make_request)
@@ -260,6 +281,13 @@ class LLMEngine:
                                                     parent_id=request_id, index=i)
         if rest:
             self._parents[request_id] = parent
+
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams) -> None:
+        req, collector = self.embedder.make_request(request_id, prompt_token_ids, params,
+                                                    self.vocab_size)
+        self.scheduler.add_request(req)
+        self._states[request_id] = _State(req, None, parent_id=request_id, embedding=collector)
 
     def _make_request(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> Request:
@@ -315,6 +343,8 @@ class LLMEngine:
         result = self.runner.fetch(handle)
         if result.prompt is not None:
             self._collect_prompt_logprobs(out, result)
+        if result.pooled is not None:
+            self.embedder.collect(out, result.pooled, self._collector_of)
         changed = self.scheduler.update(out, emitted_tokens(out, arrays.first_rows, result))
         for req, error in structured.advance(self._grammar_compiler, changed):
             outputs.append(self._fail(req.request_id, f"structured output failed: {error}"))
@@ -331,6 +361,10 @@ class LLMEngine:
             if st is not None and st.prompt_logprobs is not None and wants_prompt_logprobs(s):
                 st.prompt_logprobs.add(s, row_start, result.prompt)
             row_start += s.num_new_tokens
+
+    def _collector_of(self, request_id: str) -> EmbeddingCollector | None:
+        st = self._states.get(request_id)
+        return st and st.embedding
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
@@ -349,7 +383,8 @@ class LLMEngine:
         if self.faults:
             self.faults.check("sampling", (s.request for s in out.scheduled))
         return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs,
-                       self.runner.bitmask_width)
+                       self.runner.bitmask_width,
+                       self.embedder and self.embedder.pooler.pooling_type)
 
     def _prepare(self, out: SchedulerOutput):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot
@@ -414,9 +449,10 @@ class LLMEngine:
         prompt_logprobs = None
         if st.prompt_logprobs is not None:  # the first token: the prefill is done
             prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
+        embedding = st.embedding.embedding() if st.embedding and req.is_finished else None
         if req.is_finished:
             del self._states[req.request_id]
         return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
                              new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
                              queue_time=queue_time, prompt_logprobs=prompt_logprobs,
-                             index=st.index)
+                             index=st.index, embedding=embedding)

@@ -60,6 +60,9 @@ class SingleDevice:
     def wrap_prompt(self, fn):
         return fn
 
+    def wrap_pool(self, fn):
+        return fn
+
 
 class TensorParallel:
     """A 1-D mesh ("model"); weights and KV cache as model/sharding.py splits them, step
@@ -121,6 +124,14 @@ class TensorParallel:
         def local(params, hidden, targets):
             return fn(sharding.local_params(params), hidden, targets)
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(sharding.AXIS), P(), P()),
+                             out_specs=P(), check_vma=False)
+
+    def wrap_pool(self, fn):
+        """fn(params, hidden) of one shard (serving/engine/pooling.py): the hidden states
+        and the final norm's scale are replicated, so is the result."""
+        def local(params, hidden):
+            return fn(sharding.local_params(params), hidden)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(sharding.AXIS), P()),
                              out_specs=P(), check_vma=False)
 
 

@@ -20,6 +20,7 @@ from serving.engine.executable_cache import (ExecutableCache, avals_signature, l
                                              program_for)
 from serving.engine.input_prep import StepArrays, history_shape
 from serving.engine.mesh import SingleDevice
+from serving.engine.pooling import PoolingProgram
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
                                             prompt_logprobs)
 from serving.engine.rejection_sampler import emitted_rows
@@ -104,6 +105,7 @@ class StepResult:
     top_ids: np.ndarray | None = None  # i32[R, K]
     top_logprobs: np.ndarray | None = None
     prompt: PromptOutput | None = None  # numpy arrays over the step's T tokens, when asked
+    pooled: np.ndarray | None = None  # f32[T, H] final-normed rows, when a request pools
 
 
 class ModelRunner:
@@ -112,13 +114,15 @@ class ModelRunner:
     free_stacked: the stored weight tree is consumed (model/runtime_params.py).
     max_logprobs: the top logprobs each step computes (the most a request may ask).
     vocab_size: the ids sampling may produce (the tokenizer's); default: every row.
-    placement: one device (default) or a tensor-parallel mesh (serving/engine/mesh.py)."""
+    placement: one device (default) or a tensor-parallel mesh (serving/engine/mesh.py).
+    pooling: an embedding engine's runner, with the final-norm program of
+    serving/engine/pooling.py (compiled by the engine's warm-up)."""
 
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
                  free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS,
                  vocab_size: int | None = None, executable_dir: str | None = None,
-                 placement=None):
+                 placement=None, pooling: bool = False):
         self.cfg = cfg
         self.placement = placement or SingleDevice(cfg)
         # Called with every step's arrays before it runs: a leader process hands them to its
@@ -148,6 +152,7 @@ class ModelRunner:
         self._prompt_jitted = jax.jit(where.wrap_prompt(partial(
             prompt_logprobs, cfg=where.model_cfg, num_top=max_logprobs, axis=where.axis)))
         self._prompt_program = None
+        self.pooling = PoolingProgram(self) if pooling else None
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         self.cache = self.placement.zeros_cache(num_pages, self.page_size, self.kv_cache_dtype)
@@ -252,10 +257,12 @@ class ModelRunner:
         if arrays.wants_logprobs:
             for a in (out.logprob, out.top_ids, out.top_logprobs):
                 a.copy_to_host_async()
-        prompt = None
+        prompt = pooled = None
         if arrays.prompt_targets is not None:
             prompt = (len(arrays.prompt_targets), self._score_prompt(blocks, arrays.prompt_targets))
-        return out, emitted, arrays.wants_logprobs, prompt
+        if arrays.pooling_rows is not None:
+            pooled = self.pooling.launch(blocks, arrays.pooling_rows)
+        return out, emitted, arrays.wants_logprobs, prompt, pooled
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:
@@ -308,16 +315,17 @@ class ModelRunner:
         return self._no_bitmask[R]
 
     def fetch(self, handle) -> StepResult:
-        out, emitted, wants_logprobs, prompt = handle
+        out, emitted, wants_logprobs, prompt, pooled = handle
         out: SampleOutput
         host = self.placement.host
         prompt = self._fetch_prompt(prompt)
+        pooled = self.pooling.fetch(pooled) if pooled is not None else None
         emitted = host(emitted)
         if not wants_logprobs:
-            return StepResult(host(out.tokens), emitted, prompt=prompt)
+            return StepResult(host(out.tokens), emitted, prompt=prompt, pooled=pooled)
         return StepResult(host(out.tokens), emitted,
                           *(host(a) for a in (out.logprob, out.top_ids, out.top_logprobs)),
-                          prompt=prompt)
+                          prompt=prompt, pooled=pooled)
 
 
 def disable_jax_compilation_cache() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import signal
 import time
@@ -17,16 +18,25 @@ import time
 from aiohttp import web
 
 from serving.openai import protocol as p
+from serving.openai import response_stream
+from serving.openai import responses_api
 from serving.openai import responses
 from serving.openai import sse
+from serving.openai import embeddings
 from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
                                 read_json)
 from serving.openai.access_log import access_log_middleware, record_tokens
 from serving.openai.metrics import Metrics
 from serving.openai.openapi import openapi_spec
+from serving.openai.response_events import ResponseBuilder, new_id
+from serving.openai.response_store import ResponseStore
 from serving.core.structured_outputs import StructuredOutputsParams
 from serving.openai.tools import parse_tool_choice
+from serving.openai.tool_parsers import parser_for
+from serving.openai.chat_template_kwargs import chat_template_kwargs
+from serving.openai.reasoning_constraint import answer_after_thinking
+from serving.openai.reasoning_parsers import reasoning_parser_for, thinking_expected
 from serving.openai.server_state import (STATE, ServerState, check_admission, check_prompt_size,
                                   check_queue)
 
@@ -34,23 +44,29 @@ from serving.openai.server_state import (STATE, ServerState, check_admission, ch
 def build_app(engine, *, served_model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
               max_prompt_chars: int | None = None, chat_template: str | None = None,
-              tool_call_parser: str | None = None, access_log: bool = True) -> web.Application:
+              tool_call_parser: str | None = None, access_log: bool = True,
+              reasoning_parser: str | None = None,
+              disable_responses_store: bool = False) -> web.Application:
     """Best run with handler_cancellation=True (run_server does), so a client that goes away
     cancels its handler at once; without it, disconnects are noticed at the next write or
     within half a second (sse.cancel_on_disconnect)."""
     quiet_unparsable_requests()
     # The access log sits outside the error middleware: it logs the status the client got.
-    middlewares = [error_middleware, gate_middleware]
+    middlewares = [error_middleware, gate_middleware, embeddings.task_middleware]
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[access_log_middleware, *middlewares] if access_log
                           else middlewares)
     state = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
                         max_queued_requests, max_body_bytes, max_prompt_chars, chat_template,
-                        tool_call_parser)
+                        tool_call_parser, reasoning_parser=reasoning_parser)
     state.idle.set()
+    state.responses_store = None if disable_responses_store else ResponseStore()
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings.embeddings)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
@@ -76,7 +92,16 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-              add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+              add_special_tokens: bool = False, tools: list[dict] | None = None,
+              template_kwargs: dict | None = None) -> list[int]:
+    return _chat_prompt(state, messages, add_generation_prompt, add_special_tokens, tools,
+                        template_kwargs)[1]
+
+
+def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool,
+                 add_special_tokens: bool = False, tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """(the rendered prompt, its token ids). template_kwargs: chat_template_kwargs."""
     size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
     check_prompt_size(state, size, "messages")
     tokenizer = state.engine.tokenizer
@@ -87,12 +112,13 @@ def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: b
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None,
                                              chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - templates raise for bad conversations
         raise p.ProtocolError(f"the chat template rejected the messages: {e}",
                               param="messages") from None
     # The template already writes BOS and friends where the model wants them.
-    return _encode(tokenizer, text, add_special_tokens)
+    return text, _encode(tokenizer, text, add_special_tokens)
 
 
 def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
@@ -176,20 +202,85 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = p.parse_chat_request(body, engine.max_logprobs)
     tools = parse_tool_choice(body, state.tool_call_parser is not None)
+    template_kwargs = chat_template_kwargs(body)
+    include_reasoning = p.opt_bool(body, "include_reasoning", True)
     _check_model(state, req.model)
-    ids = _chat_ids(state, req.messages, req.add_generation_prompt, tools=tools.tools)
+    prompt, ids = _chat_prompt(state, req.messages, req.add_generation_prompt,
+                               tools=tools.tools, template_kwargs=template_kwargs)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
     params = sp.with_max_tokens(req.params, max_tokens)
     if tools.forced:
         params = _forced_tool_call(params, tools)
     await sp.compile_constraint(engine, params, body, "tools" if tools.forced else None)
+    if params.structured_outputs is not None and thinking_expected(
+            state.reasoning_parser, prompt, template_kwargs):
+        # The model thinks first; the constraint is the answer's (reasoning_constraint.py).
+        params = answer_after_thinking(params, engine.tokenizer)
+        await sp.compile_constraint(engine, params, body, "tools" if tools.forced else None)
     p.check_request_token_ids(ids, params, engine.vocab_size)
     texts = state.token_texts() if req.logprobs or req.prompt_logprobs is not None else None
+    reasoning = None if state.reasoning_parser is None else functools.partial(
+        reasoning_parser_for, state.reasoning_parser, prompt, template_kwargs)
     fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
-                         tools, state.tool_call_parser, logprobs=req.logprobs)
+                         tools, state.tool_call_parser, logprobs=req.logprobs,
+                         reasoning=reasoning, include_reasoning=include_reasoning)
     choices = _choices(ids, 0, params, 0, prompt_logprobs=req.prompt_logprobs)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
+
+
+def _response_prompt(state: ServerState, messages: list[dict],
+                     req: responses_api.ResponsesRequest) -> tuple[str, list[int]]:
+    try:
+        return _chat_prompt(state, messages, True, tools=req.tools.tools,
+                            template_kwargs=req.template_kwargs)
+    except p.ProtocolError as e:
+        e.param = "input" if e.param == "messages" else e.param
+        raise
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """The Responses API (serving/openai/responses_api.py, docs/architecture.md)."""
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    engine = state.engine
+    check_admission(state)
+    body = await read_json(request)
+    req = responses_api.parse_request(body, auto_tools=state.tool_call_parser is not None,
+                                      reasoning=state.reasoning_parser is not None,
+                                      store_enabled=state.responses_store is not None)
+    _check_model(state, req.model)
+    messages, history = responses_api.conversation(req, state.responses_store)
+    prompt, ids = _response_prompt(state, messages, req)
+    max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
+                                 prompt_param="input", max_tokens_param="max_output_tokens")
+    params = sp.with_max_tokens(req.params, max_tokens)
+    if req.tools.forced:
+        params = _forced_tool_call(params, req.tools)
+    blame = "tools" if req.tools.forced else "text.format"
+    await sp.compile_constraint(engine, params, body, blame)
+    if params.structured_outputs is not None and thinking_expected(
+            state.reasoning_parser, prompt, req.template_kwargs):
+        params = answer_after_thinking(params)
+        await sp.compile_constraint(engine, params, body, blame)
+    p.check_request_token_ids(ids, params, engine.vocab_size)
+    builder = ResponseBuilder(
+        responses_api.head(new_id("resp"), responses.now(), state.model, req), len(ids),
+        reasoning_parser_for(state.reasoning_parser, prompt, req.template_kwargs),
+        parser_for(req.tools, state.tool_call_parser))
+    on_done = response_stream.Finished(state.responses_store if req.store else None, history)
+    return await response_stream.respond(request, state, _choices(ids, 0, params, 0), builder,
+                                         req.stream, on_done, arrival)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    response_id = request.match_info["response_id"]
+    stored = state.responses_store.get(response_id) if state.responses_store else None
+    if stored is None:
+        raise p.ProtocolError(f"Response with id '{response_id[:100]}' not found.",
+                              status=404, type="invalid_request_error", param="response_id")
+    return web.json_response(stored.response)
 
 
 def _model_card(state: ServerState) -> dict:
@@ -216,8 +307,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_spec(state.model, state.engine.vocab_size,
-                                          state.engine.max_model_len, state.engine.max_logprobs))
+    spec = openapi_spec(state.model, state.engine.vocab_size, state.engine.max_model_len,
+                        state.engine.max_logprobs)
+    return web.json_response(embeddings.openapi_for_task(spec, state))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -244,7 +336,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if "messages" in body:
         req = p.parse_chat_request({"messages": body["messages"]})
         ids = _chat_ids(state, req.messages, add_generation_prompt,
-                        p.opt_bool(body, "add_special_tokens", False), tools.tools)
+                        p.opt_bool(body, "add_special_tokens", False), tools.tools,
+                        chat_template_kwargs(body))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -288,7 +381,9 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
                      max_queued_requests: int | None = None, max_body_bytes: int = 1 << 22,
                      max_prompt_chars: int | None = None, grace_period_s: float = 30.0,
                      stop_event: asyncio.Event | None = None, chat_template: str | None = None,
-                     tool_call_parser: str | None = None, access_log: bool = True) -> int:
+                     tool_call_parser: str | None = None, access_log: bool = True,
+                     reasoning_parser: str | None = None,
+                     disable_responses_store: bool = False) -> int:
     """Serve until SIGTERM/SIGINT (or stop_event), then drain: stop listening, answer new
     requests on open connections with 503, let in-flight ones finish within grace_period_s
     (a second signal cuts it short), cancel the rest (which aborts their engine requests)
@@ -297,7 +392,9 @@ async def run_server(engine, host: str = "127.0.0.1", port: int = 8000, *,
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
                     max_queued_requests=max_queued_requests, max_body_bytes=max_body_bytes,
                     max_prompt_chars=max_prompt_chars, chat_template=chat_template,
-                    tool_call_parser=tool_call_parser, access_log=access_log)
+                    tool_call_parser=tool_call_parser, access_log=access_log,
+                    reasoning_parser=reasoning_parser,
+                    disable_responses_store=disable_responses_store)
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None)

@@ -10,6 +10,8 @@ excludes stream, max_tokens 0 needs echo, the context length) are in the descrip
 from __future__ import annotations
 
 from serving.openai import structured_protocol
+from serving.openai import chat_template_kwargs as template_kwargs
+from serving.openai import responses_openapi
 from serving.openai.chat_messages import ROLES
 from serving.openai.protocol import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_K
 from serving.openai.tools import MAX_TOOLS
@@ -180,6 +182,7 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int,
         "prompt_logprobs": prompt_logprobs,
         "add_generation_prompt": _bool(),
         **_tools(),
+        **template_kwargs.OPENAPI,
         **sampling, **structured_protocol.openapi_fields("chat")}, "allOf": [
         _stream_rule(), _no_stream_rule("prompt_logprobs"),
         _requires("top_logprobs", {"type": "integer"},
@@ -192,7 +195,8 @@ def request_schemas(model: str, vocab_size: int, max_model_len: int,
         "messages": {"type": "array", "items": _message(), "minItems": 1},
         "tools": _tools()["tools"],
         "add_special_tokens": _bool(),
-        "add_generation_prompt": _bool()},
+        "add_generation_prompt": _bool(),
+        "chat_template_kwargs": template_kwargs.OPENAPI["chat_template_kwargs"]},
         "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                   {"required": ["messages"]}],
         "allOf": [_requires("tools", {"type": "array", "minItems": 1},
@@ -247,8 +251,11 @@ def openapi_spec(model: str, vocab_size: int, max_model_len: int,
                                 "every route but /health needs 'Authorization: Bearer KEY'."},
         "paths": {
             "/v1/completions": _post("text completions", bodies["/v1/completions"], True),
-            "/v1/chat/completions": _post("chat completions", bodies["/v1/chat/completions"],
-                                          True),
+            "/v1/chat/completions": _post("chat completions; with --reasoning-parser the "
+                                          "thinking is message.reasoning_content and "
+                                          "message.reasoning (streamed: delta.*)",
+                                          bodies["/v1/chat/completions"], True),
+            **responses_openapi.paths(model, max_model_len),
             "/v1/models": _get("the served model"),
             "/v1/models/{model}": _get("one model", parameters=[model_param]),
             "/tokenize": _post("text or messages to token ids", bodies["/tokenize"]),

@@ -10,6 +10,7 @@ from aiohttp import web
 from serving.openai import protocol as p
 from serving.openai import responses
 from serving.openai.metrics import Metrics
+from serving.openai.response_store import ResponseStore
 from serving.openai.token_texts import TokenTexts
 
 
@@ -24,6 +25,8 @@ class ServerState:
     max_prompt_chars: int | None = None  # None: what max_model_len tokens can span
     chat_template: str | None = None  # None: the tokenizer's own
     tool_call_parser: str | None = None  # set: tool_choice "auto" parses tool calls with it
+    reasoning_parser: str | None = None  # set: chat answers return the thinking apart
+    responses_store: ResponseStore | None = None  # the Responses API's; None: not stored
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)

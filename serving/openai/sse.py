@@ -18,6 +18,7 @@ from aiohttp import web
 from serving.openai import echo
 from serving.openai import protocol as p
 from serving.openai import responses
+from serving.openai.reasoning_parsers import ReasoningParser
 from serving.openai.token_texts import TokenTexts
 from serving.openai.tool_parsers import ToolCallParser, parser_for
 from serving.openai.tools import ToolChoice
@@ -259,10 +260,15 @@ class ChatFormat(_Format):
 
     def __init__(self, request_id: str, model: str, texts: TokenTexts | None,
                  include_usage: bool, tools: ToolChoice | None = None,
-                 tool_parser: str | None = None, logprobs: bool | None = None):
+                 tool_parser: str | None = None, logprobs: bool | None = None,
+                 reasoning=None, include_reasoning: bool = True):
+        """reasoning: makes a choice's ReasoningParser (None: no --reasoning-parser);
+        include_reasoning false drops the thinking. Tool calls are parsed in the answer."""
         super().__init__(request_id, model, texts, include_usage, logprobs)
         self.tools, self.tool_parser = tools or ToolChoice(), tool_parser
         self._parsers: dict[int, ToolCallParser | None] = {}
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
+        self._reasoners: dict[int, ReasoningParser] = {}
 
     def opening(self, choice: Choice) -> list[dict]:
         return [responses.chat_chunk(self.request_id, self.model, self.created, choice.index,
@@ -274,19 +280,34 @@ class ChatFormat(_Format):
             self._parsers[choice.index] = parser_for(self.tools, self.tool_parser)
         return self._parsers[choice.index]
 
+    def _think(self, choice: Choice, text: str, finished: bool) -> tuple[str, str]:
+        """(thinking, answer) of a choice's new text; all answer without a reasoning parser."""
+        if self.reasoning is None:
+            return "", text
+        if choice.index not in self._reasoners:
+            self._reasoners[choice.index] = self.reasoning()
+        reasoner = self._reasoners[choice.index]
+        thinking, answer = reasoner.feed(text)
+        if finished:
+            more, rest = reasoner.finish()
+            thinking, answer = thinking + more, answer + rest
+        return (thinking if self.include_reasoning else ""), answer
+
     def chunks(self, choice: Choice, out: RequestOutput) -> list[dict]:
         entries = self.entries(out.new_logprobs)
-        content, calls, parser = out.new_text, [], self._parser(choice)
+        thinking, answer = self._think(choice, out.new_text, out.finished)
+        content, calls, parser = answer, [], self._parser(choice)
         if parser is not None:
-            content, calls = parser.feed(out.new_text)
+            content, calls = parser.feed(answer)
             if out.finished:
                 more, last = parser.finish()
                 content, calls = content + more, calls + last
-        if not (content or calls or out.finished or entries):
+        if not (thinking or content or calls or out.finished or entries):
             return []
         logprobs = None if entries is None else responses.chat_logprobs(entries)
-        # One tool-call delta per chunk, each after the content it follows.
-        deltas = [{"content": content}] if content else []
+        # The thinking first, then one tool-call delta per chunk after the content it follows.
+        deltas = [{"reasoning_content": thinking, "reasoning": thinking}] if thinking else []
+        deltas += [{"content": content}] if content else []
         deltas += [{"tool_calls": [call]} for call in calls]
         deltas = deltas or [{}]
         finish = _finish_reason(parser, out.finish_reason) if out.finished else None
@@ -305,16 +326,27 @@ class ChatFormat(_Format):
         if choice.prompt_logprobs is not None:  # vLLM puts it on the response, not a choice
             self.prompt_logprobs = echo.vllm_prompt_logprobs(
                 self.texts, out.prompt_logprobs or [], choice.prompt_logprobs)
+        text, reasoner = out.text, self.reasoning and self.reasoning()
+        if reasoner:
+            reasoner.feed(text)
+            reasoner.finish()
+            text = reasoner.content
         parser = parser_for(self.tools, self.tool_parser)
         if parser is None:
-            return responses.chat_choice(choice.index, out.text, out.finish_reason, lp,
-                                         out.stop_reason)
-        parser.feed(out.text)
-        parser.finish()
-        return responses.chat_choice(choice.index, parser.content if not parser.calls
-                                     or parser.content.strip() else None,
-                                     _finish_reason(parser, out.finish_reason), lp,
-                                     out.stop_reason, parser.calls or None)
+            body = responses.chat_choice(choice.index, text if not reasoner else text or None,
+                                         out.finish_reason, lp, out.stop_reason)
+        else:
+            parser.feed(text)
+            parser.finish()
+            body = responses.chat_choice(choice.index, parser.content if not parser.calls
+                                         or parser.content.strip() else None,
+                                         _finish_reason(parser, out.finish_reason), lp,
+                                         out.stop_reason, parser.calls or None)
+        if reasoner:  # vLLM's names, old and new, for the same thinking
+            thinking = reasoner.reasoning if reasoner.thinking and self.include_reasoning \
+                else None
+            body["message"].update(reasoning_content=thinking, reasoning=thinking)
+        return body
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         body = responses.chat_response(self.request_id, self.model, self.created, choices, usage)

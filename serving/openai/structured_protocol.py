@@ -40,8 +40,7 @@ _BOTH = {"use_beam_search": [False], "length_penalty": [1, 1.0], "watermarking":
 REFUSED_EXTRAS = {
     "chat": {**_BOTH, "echo": [False], "continue_final_message": [False],
              "add_special_tokens": [False], "documents": [], "chat_template": [],
-             "chat_template_kwargs": [{}], "mm_processor_kwargs": [], "media_io_kwargs": [],
-             "include_reasoning": [True], "reasoning_effort": []},
+             "mm_processor_kwargs": [], "media_io_kwargs": [], "reasoning_effort": []},
     "completion": {**_BOTH, "add_special_tokens": [True]},
 }
 
