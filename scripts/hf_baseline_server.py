@@ -1,6 +1,8 @@
 """The transformers baseline of scripts/bench_side_by_side.py: a minimal OpenAI streaming
 server (/v1/completions, /v1/models, /health) over transformers `generate`, with static batches:
-requests that arrive while a batch runs wait for the next one.
+requests that arrive while a batch runs wait for the next one. `/v1/embeddings` (float only)
+batches the same way: the base model's last hidden state at each input's last token (LAST
+pooling, inputs padded on the left), normalized, as `xlaserve serve --task embed` pools.
 
     python scripts/hf_baseline_server.py --model HF_DIR --port P [--max-batch 64] [--threads 2]
 """
@@ -115,6 +117,49 @@ def hf_app(model_dir: str, max_batch: int):
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    embed_pending: asyncio.Queue = asyncio.Queue()
+
+    def embed(jobs) -> None:
+        enc = tok([j["input"] for j in jobs], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            hidden = model.model(**enc).last_hidden_state[:, -1].float()
+        vectors = torch.nn.functional.normalize(hidden, dim=-1)
+        for j, v, n in zip(jobs, vectors, enc["attention_mask"].sum(1).tolist()):
+            j["result"] = (v.tolist(), n)
+
+    async def embed_batcher(app):
+        async def loop_forever():
+            while True:
+                jobs = [await embed_pending.get()]
+                while len(jobs) < max_batch and not embed_pending.empty():
+                    jobs.append(embed_pending.get_nowait())
+                try:
+                    await asyncio.to_thread(embed, jobs)
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                    for j in jobs:
+                        j["result"] = e
+                for j in jobs:
+                    j["done"].set()
+        task = asyncio.create_task(loop_forever())
+        yield
+        task.cancel()
+
+    async def embeddings(request):
+        body = await request.json()
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        jobs = [{"input": text, "done": asyncio.Event()} for text in inputs]
+        for j in jobs:
+            await embed_pending.put(j)
+        for j in jobs:
+            await j["done"].wait()
+        if any(isinstance(j["result"], Exception) for j in jobs):
+            return web.json_response({"error": {"message": "embedding failed"}}, status=500)
+        data = [{"object": "embedding", "index": i, "embedding": j["result"][0]}
+                for i, j in enumerate(jobs)]
+        n = sum(j["result"][1] for j in jobs)
+        return web.json_response({"object": "list", "data": data, "model": name,
+                                  "usage": {"prompt_tokens": n, "total_tokens": n}})
+
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
 
@@ -123,6 +168,8 @@ def hf_app(model_dir: str, max_batch: int):
 
     app = web.Application()
     app.cleanup_ctx.append(batcher)
+    app.cleanup_ctx.append(embed_batcher)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -141,7 +188,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     web.run_app(hf_app(args.model, args.max_batch), host="127.0.0.1", port=args.port)
     return 0
-
 
 
 if __name__ == "__main__":

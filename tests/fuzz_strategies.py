@@ -48,10 +48,16 @@ def from_schema(schema: dict, overrides: dict | None = None) -> st.SearchStrateg
 
 
 def _object(schema: dict, overrides: dict) -> st.SearchStrategy:
-    if "propertyNames" in schema:  # a map: logit_bias
-        keys = st.from_regex(schema["propertyNames"]["pattern"], fullmatch=True)
+    names = schema.get("propertyNames")
+    if names is not None and "pattern" in names:  # a map: logit_bias
+        keys = st.from_regex(names["pattern"], fullmatch=True)
         return st.dictionaries(keys, from_schema(schema["additionalProperties"], overrides),
                                max_size=3)
+    if names is not None:  # keyword arguments (chat_template_kwargs): any keys but these
+        reserved = set(names["not"]["enum"])
+        keys = st.text(max_size=12).filter(lambda k: k not in reserved)
+        values = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8))
+        return st.dictionaries(keys, values, max_size=3)
     props = schema.get("properties", {})
 
     def field(name):

@@ -104,9 +104,12 @@ def test_openapi_json_describes_the_routes(live):
     status, spec = get_json(live.port, "/openapi.json")
     assert status == 200
     assert spec == openapi_spec(MODEL, len(live.tokenizer), live.engine.max_model_len)
+    # A stored response's id: an unknown one is rightly a 404.
+    status, stored = post(live.port, "/v1/responses", {"input": "Hi", "max_output_tokens": 1})
+    assert status == 200, stored
     for path, ops in spec["paths"].items():
         for method in ops:
-            url = path.replace("{model}", MODEL)
+            url = path.replace("{model}", MODEL).replace("{response_id}", stored["id"])
             body = b"{}" if method == "post" else None
             assert request(live.port, method.upper(), url, body)[0] != 404, (method, path)
     assert get_json(live.port, "/v1/not-described")[0] == 404

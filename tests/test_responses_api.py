@@ -344,7 +344,8 @@ def test_auto_tool_calls_and_their_outputs(tokenizer):  # noqa: F811 - the fixtu
         engine.script = tokenizer.encode('<tool_call>{"name": "get_weather", "arguments": '
                                          '{"city": "Paris"}}</tool_call>')
         async with fake_server(engine, tool_call_parser="hermes") as client:
-            first = await client.responses.create(model=FAKE_MODEL, input="weather?", tools=[WEATHER])
+            first = await client.responses.create(model=FAKE_MODEL, input="weather?",
+                                                  tools=[WEATHER])
             (call,) = first.output
             assert call.type == "function_call" and call.name == "get_weather"
             assert json.loads(call.arguments) == {"city": "Paris"} and first.status == "completed"

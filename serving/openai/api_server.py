@@ -9,19 +9,18 @@ server. If the engine dies, run_server drains and returns 1.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import json
 import signal
 import time
 
 from aiohttp import web
 
 from serving.openai import protocol as p
-from serving.openai import response_stream
-from serving.openai import responses_api
 from serving.openai import responses
 from serving.openai import sse
+from serving.openai import responses_route
+from serving.openai.prompts import (chat_ids, chat_prompt, check_model, encode,
+                                    forced_tool_call, prompt_choices)
 from serving.openai import embeddings
 from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
@@ -29,11 +28,8 @@ from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_
 from serving.openai.access_log import access_log_middleware, record_tokens
 from serving.openai.metrics import Metrics
 from serving.openai.openapi import openapi_spec
-from serving.openai.response_events import ResponseBuilder, new_id
 from serving.openai.response_store import ResponseStore
-from serving.core.structured_outputs import StructuredOutputsParams
 from serving.openai.tools import parse_tool_choice
-from serving.openai.tool_parsers import parser_for
 from serving.openai.chat_template_kwargs import chat_template_kwargs
 from serving.openai.reasoning_constraint import answer_after_thinking
 from serving.openai.reasoning_parsers import reasoning_parser_for, thinking_expected
@@ -65,8 +61,8 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings.embeddings)
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_post("/v1/responses", responses_route.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses_route.get_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
@@ -76,58 +72,6 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/openapi.json", openapi)
     return app
-
-
-# -- request helpers -----------------------------------------------------------------------
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model:
-        raise p.ProtocolError(f"The model '{model}' does not exist; this server serves "
-                              f"'{state.model}'.", status=404, param="model",
-                              code="model_not_found")
-
-
-def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
-def _chat_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-              add_special_tokens: bool = False, tools: list[dict] | None = None,
-              template_kwargs: dict | None = None) -> list[int]:
-    return _chat_prompt(state, messages, add_generation_prompt, add_special_tokens, tools,
-                        template_kwargs)[1]
-
-
-def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-                 add_special_tokens: bool = False, tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-    """(the rendered prompt, its token ids). template_kwargs: chat_template_kwargs."""
-    size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-    check_prompt_size(state, size, "messages")
-    tokenizer = state.engine.tokenizer
-    template = state.chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise p.ProtocolError("this model has no chat template; use /v1/completions",
-                              param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools or None,
-                                             chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **(template_kwargs or {}))
-    except Exception as e:  # noqa: BLE001 - templates raise for bad conversations
-        raise p.ProtocolError(f"the chat template rejected the messages: {e}",
-                              param="messages") from None
-    # The template already writes BOS and friends where the model wants them.
-    return text, _encode(tokenizer, text, add_special_tokens)
-
-
-def _choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
-             prompt_text: str = "", **echo) -> list[sse.Choice]:
-    """The n choices of one prompt: one engine request whose samples they are. echo:
-    sse.Choice's echo_only, echo_logprobs and prompt_logprobs."""
-    request_id = responses.new_id("req")
-    return [sse.Choice(first_index + i, request_id, prompt_ids, params, prompt_index,
-                       prompt_text, sample_index=i, **echo) for i in range(params.n)]
 
 
 async def _respond(request: web.Request, state: ServerState, choices: list[sse.Choice],
@@ -152,16 +96,6 @@ async def _respond(request: web.Request, state: ServerState, choices: list[sse.C
         record_tokens(request, *stream_.token_counts())
 
 
-def _forced_tool_call(params, tools):
-    """tool_choice "required" or a named function: the output must follow the tools' JSON
-    schema (serving/openai/tools.py), through structured outputs."""
-    if params.structured_outputs is not None:
-        raise p.ProtocolError("a forced tool_choice cannot be combined with response_format "
-                              "or structured outputs", param="tool_choice")
-    return dataclasses.replace(params,
-                               structured_outputs=StructuredOutputsParams(json=tools.schema()))
-
-
 # -- routes --------------------------------------------------------------------------------
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -171,20 +105,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_admission(state)
     body = await read_json(request)
     req = p.parse_completion_request(body, engine.max_model_len, engine.max_logprobs)
-    _check_model(state, req.model)
+    check_model(state, req.model)
     await sp.compile_constraint(engine, req.params, body)
     for prompt in req.prompts:
         if isinstance(prompt, str):
             check_prompt_size(state, len(prompt), "prompt")
     choices: list[sse.Choice] = []
     for i, prompt in enumerate(req.prompts):
-        ids = _encode(tokenizer, prompt, add_special_tokens=True) if isinstance(prompt, str) \
+        ids = encode(tokenizer, prompt, add_special_tokens=True) if isinstance(prompt, str) \
             else prompt
         p.check_request_token_ids(ids, req.params, engine.vocab_size)
         max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
         params = sp.with_max_tokens(req.params, max_tokens)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
-        choices += _choices(ids, i, params, i * req.params.n, echo, echo_only=req.echo_only,
+        choices += prompt_choices(ids, i, params, i * req.params.n, echo, echo_only=req.echo_only,
                             echo_logprobs=req.echo and req.params.logprobs is not None,
                             prompt_logprobs=req.prompt_logprobs)
     wants_texts = req.params.logprobs is not None or req.prompt_logprobs is not None
@@ -204,14 +138,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = parse_tool_choice(body, state.tool_call_parser is not None)
     template_kwargs = chat_template_kwargs(body)
     include_reasoning = p.opt_bool(body, "include_reasoning", True)
-    _check_model(state, req.model)
-    prompt, ids = _chat_prompt(state, req.messages, req.add_generation_prompt,
+    check_model(state, req.model)
+    prompt, ids = chat_prompt(state, req.messages, req.add_generation_prompt,
                                tools=tools.tools, template_kwargs=template_kwargs)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
                                  prompt_param="messages", max_tokens_param=req.max_tokens_param)
     params = sp.with_max_tokens(req.params, max_tokens)
     if tools.forced:
-        params = _forced_tool_call(params, tools)
+        params = forced_tool_call(params, tools)
     await sp.compile_constraint(engine, params, body, "tools" if tools.forced else None)
     if params.structured_outputs is not None and thinking_expected(
             state.reasoning_parser, prompt, template_kwargs):
@@ -225,62 +159,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
                          tools, state.tool_call_parser, logprobs=req.logprobs,
                          reasoning=reasoning, include_reasoning=include_reasoning)
-    choices = _choices(ids, 0, params, 0, prompt_logprobs=req.prompt_logprobs)
+    choices = prompt_choices(ids, 0, params, 0, prompt_logprobs=req.prompt_logprobs)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
-
-
-def _response_prompt(state: ServerState, messages: list[dict],
-                     req: responses_api.ResponsesRequest) -> tuple[str, list[int]]:
-    try:
-        return _chat_prompt(state, messages, True, tools=req.tools.tools,
-                            template_kwargs=req.template_kwargs)
-    except p.ProtocolError as e:
-        e.param = "input" if e.param == "messages" else e.param
-        raise
-
-
-async def create_response(request: web.Request) -> web.StreamResponse:
-    """The Responses API (serving/openai/responses_api.py, docs/architecture.md)."""
-    arrival = time.monotonic()
-    state = request.app[STATE]
-    engine = state.engine
-    check_admission(state)
-    body = await read_json(request)
-    req = responses_api.parse_request(body, auto_tools=state.tool_call_parser is not None,
-                                      reasoning=state.reasoning_parser is not None,
-                                      store_enabled=state.responses_store is not None)
-    _check_model(state, req.model)
-    messages, history = responses_api.conversation(req, state.responses_store)
-    prompt, ids = _response_prompt(state, messages, req)
-    max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
-                                 prompt_param="input", max_tokens_param="max_output_tokens")
-    params = sp.with_max_tokens(req.params, max_tokens)
-    if req.tools.forced:
-        params = _forced_tool_call(params, req.tools)
-    blame = "tools" if req.tools.forced else "text.format"
-    await sp.compile_constraint(engine, params, body, blame)
-    if params.structured_outputs is not None and thinking_expected(
-            state.reasoning_parser, prompt, req.template_kwargs):
-        params = answer_after_thinking(params)
-        await sp.compile_constraint(engine, params, body, blame)
-    p.check_request_token_ids(ids, params, engine.vocab_size)
-    builder = ResponseBuilder(
-        responses_api.head(new_id("resp"), responses.now(), state.model, req), len(ids),
-        reasoning_parser_for(state.reasoning_parser, prompt, req.template_kwargs),
-        parser_for(req.tools, state.tool_call_parser))
-    on_done = response_stream.Finished(state.responses_store if req.store else None, history)
-    return await response_stream.respond(request, state, _choices(ids, 0, params, 0), builder,
-                                         req.stream, on_done, arrival)
-
-
-async def get_response(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    response_id = request.match_info["response_id"]
-    stored = state.responses_store.get(response_id) if state.responses_store else None
-    if stored is None:
-        raise p.ProtocolError(f"Response with id '{response_id[:100]}' not found.",
-                              status=404, type="invalid_request_error", param="response_id")
-    return web.json_response(stored.response)
 
 
 def _model_card(state: ServerState) -> dict:
@@ -296,7 +176,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    _check_model(state, request.match_info["model"])
+    check_model(state, request.match_info["model"])
     return web.json_response(_model_card(state))
 
 
@@ -328,23 +208,24 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tokenizer = state.engine.tokenizer
     body = await read_json(request)
-    _check_model(state, p.opt_str(body, "model"))
+    check_model(state, p.opt_str(body, "model"))
     add_generation_prompt = p.opt_bool(body, "add_generation_prompt", True)  # messages only
     tools = parse_tool_choice({"tools": body.get("tools")}, auto_enabled=True)
+    template_kwargs = chat_template_kwargs(body)  # checked even where no template runs
     if tools.tools and "messages" not in body:
         raise p.ProtocolError("'tools' go with 'messages'", param="tools")
     if "messages" in body:
         req = p.parse_chat_request({"messages": body["messages"]})
-        ids = _chat_ids(state, req.messages, add_generation_prompt,
+        ids = chat_ids(state, req.messages, add_generation_prompt,
                         p.opt_bool(body, "add_special_tokens", False), tools.tools,
-                        chat_template_kwargs(body))
+                        template_kwargs)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise p.ProtocolError("'prompt' (a string) or 'messages' is required",
                                   param="prompt")
         check_prompt_size(state, len(prompt), "prompt")
-        ids = _encode(tokenizer, prompt, p.opt_bool(body, "add_special_tokens", True))
+        ids = encode(tokenizer, prompt, p.opt_bool(body, "add_special_tokens", True))
     return web.json_response({"tokens": ids, "count": len(ids),
                               "max_model_len": state.engine.max_model_len})
 
@@ -353,7 +234,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tokenizer = state.engine.tokenizer
     body = await read_json(request)
-    _check_model(state, p.opt_str(body, "model"))
+    check_model(state, p.opt_str(body, "model"))
     tokens = p.token_id_list(body.get("tokens"))
     if tokens is None:
         raise p.ProtocolError("'tokens' must be a list of token ids", param="tokens")

@@ -144,7 +144,8 @@ def request_schema(model: str, max_model_len: int) -> dict:
                                                                  "value"}
     for name, instead in CHAT_FIELDS.items():
         properties[name] = {"enum": [1, None] if name == "n" else [None],
-                            "description": f"a Chat Completions field{'; use ' + instead if instead else ''}"}
+                            "description": "a Chat Completions field"
+                                           + (f"; use {instead}" if instead else "")}
     return {"type": "object", "required": ["input"], "properties": properties,
             "allOf": [stream_rule, tools_rule]}
 
