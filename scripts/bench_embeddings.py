@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from model import demo
     from transformers import AutoTokenizer
-    hf_dir = demo.fetch_demo_model(demo.cache_dir() / "SmolLM2-135M-Instruct")
+    hf_dir = demo.fetch_demo_model(demo.cache_dir() / "demo" / "SmolLM2-135M-Instruct-hf")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
     log_dir = Path("/tmp/bench_embeddings")

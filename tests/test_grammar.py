@@ -262,6 +262,18 @@ def test_a_choice_the_tokenizer_cannot_write_is_refused(compiler, tokenizer):
     compiler.get(SO(choice=["ok", "naïve 🙂"]))
 
 
+def test_a_regex_character_the_tokenizer_cannot_write_is_refused(compiler, tokenizer):
+    """Forced, such a character's first byte passes the mask and the next token is refused:
+    the request would fail mid-generation. It is refused before it is queued."""
+    unwritable = "\U00040000"
+    assert tokenizer.decode(tokenizer.encode(unwritable, add_special_tokens=False)) != unwritable
+    for so in (SO(regex=unwritable), SO(regex=f"a[{unwritable}b]"),
+               SO(grammar=f'start: "x{unwritable}"')):
+        with pytest.raises(g.GrammarRefused, match="cannot write the character"):
+            compiler.get(so)
+    compiler.get(SO(regex="naïve 🙂[a-z]+"))
+
+
 def test_extra_slices_leave_masks_unchanged(tokenizer, compiler):
     """Our slices (bounded JSON strings) only speed the fill: every mask along documents with
     strings of every length under their maxLength equals llguidance's without any slice."""

@@ -28,15 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 BODIES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 1},
           "/v1/chat/completions": {"model": MODEL, "max_tokens": 1,
                                    "messages": [{"role": "user", "content": "Hi"}]},
+          "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 1},
           "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}}
 WRONG_KEYS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
               {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"},
               {"Authorization": "Bearer " + API_KEY[:-1]}]
 
 
-def routes(live) -> list[tuple[str, str]]:
+def routes(live, response_id: str) -> list[tuple[str, str]]:
     spec = openapi_spec(MODEL, len(live.tokenizer), live.engine.max_model_len)
-    return [(method.upper(), path.replace("{model}", MODEL))
+    return [(method.upper(), path.replace("{model}", MODEL).replace("{response_id}", response_id))
             for path, ops in spec["paths"].items() for method in ops]
 
 
@@ -50,7 +51,10 @@ def call(port: int, method: str, path: str, headers: dict) -> tuple[int, bytes]:
 def test_every_route_but_health_needs_the_key(shared_server):
     live = shared_server
     checked = []
-    for method, path in routes(live):
+    status, raw = call(live.auth_port, "POST", "/v1/responses",
+                       {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200, raw[:300]
+    for method, path in routes(live, json.loads(raw)["id"]):
         if path == "/health":
             assert call(live.auth_port, method, path, {})[0] == 200
             continue
@@ -63,7 +67,7 @@ def test_every_route_but_health_needs_the_key(shared_server):
         assert status == 200, (path, raw[:300])
         checked.append(path)
     assert {"/metrics", "/tokenize", "/detokenize", "/v1/models", "/openapi.json",
-            "/v1/completions", "/v1/chat/completions"} <= set(checked)
+            "/v1/completions", "/v1/chat/completions", "/v1/responses"} <= set(checked)
     # A route that does not exist answers 401 too: no key, nothing learned.
     assert call(live.auth_port, "GET", "/v1/secret", {})[0] == 401
 

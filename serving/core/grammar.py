@@ -168,6 +168,8 @@ class GrammarCompiler:
             grammar = grammar_text(so)
             if so.kind == "choice":
                 self._check_writable(so.choice)
+            elif so.kind in ("regex", "grammar"):
+                self._check_characters(so.kind, getattr(so, so.kind))
         except GrammarRefused as e:
             return e
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
@@ -193,6 +195,16 @@ class GrammarCompiler:
             if self.ll_tokenizer.decode_str(ids) != text:
                 raise GrammarRefused(f"the tokenizer cannot write the choice {text!r}",
                                      param="structured_outputs")
+
+    def _check_characters(self, kind: str, text: str) -> None:
+        """Each character written in a regex or grammar must be one the tokenizer can write:
+        where the grammar forces it, llguidance would otherwise allow its first byte and then
+        refuse the token (U+40000 on the demo model's tokenizer)."""
+        for char in sorted({c for c in text if ord(c) > 0x7E or ord(c) < 0x20}):
+            if self.ll_tokenizer.decode_str(self.ll_tokenizer.tokenize_str(char)) != char:
+                raise GrammarRefused(f"the tokenizer cannot write the character {char!r} "
+                                     f"(U+{ord(char):04X}) of the {kind} constraint",
+                                     param=_param(kind))
 
     def matcher(self, so: StructuredOutputsParams) -> "GrammarMatcher":
         return GrammarMatcher(self.get(so).new_matcher(), self)
