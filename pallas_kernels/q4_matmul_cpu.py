@@ -3,8 +3,9 @@ scale d and offset m per group of 32 values of k and per column: W = d * code + 
 C++ kernel (cpu/q4_matmul.cc).
 
 The codes are packed once, at load, two to a byte in panels of 16 columns (`pack_panels`);
-a decode step reads 0.625 bytes a weight. Each row of x is rounded to int8 per group of 32
-with a scale of its own, and each group's products are summed as integers;
+a decode step reads 0.625 bytes a weight. Each row of x is rounded to int16 per group of 32
+with a scale of its own (int8 activations, llama.cpp's Q8_1, flip the demo model's greedy
+answers), and each group's products are summed as integers;
 `q4_matmul_reference` is the same product in plain jnp.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pallas_kernels import cpu_ffi
 
 PANEL = 16  # columns per panel
 GROUP = 32  # values of k per scale and offset
+XQMAX = 32767  # the activations' int16 range
 
 
 def pack_panels(codes, d, m):
@@ -55,7 +57,7 @@ def q4_matmul(x, packed, dp, mp):
 
 
 def quantize_groups(x):
-    """float32[T, K] -> (int8 values [T, K], float32 scales [T, K // 32]) as the kernel rounds
+    """float32[T, K] -> (int16 values [T, K], float32 scales [T, K // 32]) as the kernel rounds
     them: x ~ scale * values per group of 32. A group of zeros has scale 0; a row with an inf
     or a NaN, NaN."""
     T, K = x.shape
@@ -63,9 +65,9 @@ def quantize_groups(x):
     finite = jnp.all(jnp.isfinite(x), axis=-1)[:, None, None]
     g = jnp.where(finite, g, 0.0)
     amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
-    inv = jnp.where(amax > 0, jnp.float32(127.0) / amax, 0.0)
-    values = jnp.round(g * inv).astype(jnp.int8).reshape(T, K)
-    scale = jnp.where(finite, amax / jnp.float32(127.0), jnp.nan)[..., 0]
+    inv = jnp.where(amax > 0, jnp.float32(XQMAX) / amax, 0.0)
+    values = jnp.round(g * inv).astype(jnp.int16).reshape(T, K)
+    scale = jnp.where(finite, amax / jnp.float32(XQMAX), jnp.nan)[..., 0]
     return values, scale
 
 

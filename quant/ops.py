@@ -7,7 +7,7 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
 - packed for our CPU kernels (quant/packed.py): int8 per output channel by q8_matmul; any
   other weight, fp8 included (weight-only, scales after the sum), by dense_matmul.
 - int4 in groups (quant/int4.py): packed on CPUs for q4_matmul (activations rounded to
-  int8 per group of 32 there); elsewhere dequantized into the dot, weight-only.
+  int16 per group of 32 there); elsewhere dequantized into the dot, weight-only.
 - fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
   scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
   the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).

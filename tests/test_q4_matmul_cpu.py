@@ -44,9 +44,10 @@ def test_q4_matmul_matches_reference(T, K, N):
     got = np.asarray(jax.jit(q4_matmul)(x, *pack_panels(codes, d, m)))
     want = np.asarray(q4_matmul_reference(x, codes, d, m))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    # rounding x to int8 per 32 values moves the float64 product by well under 1% of its range
+    # rounding x to int16 per 32 values moves the float64 product by under 0.01% of its range
+    # (int8 activations moved it by up to 1%)
     exact = x.astype(np.float64) @ dense(codes, d, m)
-    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-2 * np.abs(exact).max())
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4 * np.abs(exact).max())
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():

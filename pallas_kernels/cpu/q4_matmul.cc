@@ -3,18 +3,20 @@
 // column. This is GGUF's Q4_1, so a Q4_1 checkpoint runs on its own weights, and a decode
 // step reads 0.625 bytes a weight where int8 reads 1.
 //
-// Each row of x is rounded to int8 per group of 32 (x ~ dx[r][g] * xq[r][k], |xq| <= 127,
-// llama.cpp's Q8_1), so a group's 32 products are one exact integer sum
-// s = sum_k xq[r][k] * c[k][n], summed with vpdpbusd (unsigned codes times signed x, 4
-// products a lane) where the CPU has AVX-512 VNNI, else vpmaddubsw + vpmaddwd. Then, group
-// by group in a fixed order and with one rounding per FMA,
+// Each row of x is rounded to int16 per group of 32 (x ~ dx[r][g] * xq[r][k], |xq| <= 32767:
+// the activations keep 16 bits, where int8 ones, llama.cpp's Q8_1, flip greedy answers of
+// small models), so a group's 32 products are one exact integer sum
+// s = sum_k xq[r][k] * c[k][n] (at most 32 * 15 * 32767, well inside int32), summed with
+// vpdpwssd (pairs of int16 products a lane) where the CPU has AVX-512 VNNI, else vpmaddwd.
+// Then, group by group in a fixed order and with one rounding per FMA,
 //   y += float(s) * (d[g][n] * dx[r][g]);  y += m[g][n] * (dx[r][g] * sum_k xq[r][k])
 // A row's result depends only on the row: not on the rows beside it, nor the tile.
 //
 // W comes packed in panels of 16 columns, 256 bytes per panel and group: byte
 // [h][j][i] (h < 4, j < 16, i < 4) holds the code of k = 4h + i in its low nibble and of
-// k = 16 + 4h + i in its high one, column j, so one 64-byte load and two masks give the
-// two 16-column x 4-k operands of a vpdpbusd. d and m are [panel][group][16].
+// k = 16 + 4h + i in its high one, column j. One 64-byte load, four shifts and a mask give
+// four operands of 16 columns x a pair of k each: k = (4h, 4h + 2), (4h + 1, 4h + 3), and
+// the same plus 16 (kPairK). d and m are [panel][group][16].
 #include <immintrin.h>
 
 #include <algorithm>
@@ -38,6 +40,7 @@ namespace {
 
 constexpr int64_t kNR = 16;     // columns per panel
 constexpr int64_t kGroup = 32;  // values of k per scale
+constexpr int64_t kPairs = kGroup / 2;  // int16 pairs of x per group
 constexpr int64_t kPanelGroupBytes = kNR * kGroup / 2;
 #if XLASERVE_Q4_VNNI
 constexpr int64_t kMaxTile = 12;  // rows per tile: 12 integer + 12 float sums in 32 registers
@@ -45,11 +48,15 @@ constexpr int64_t kMaxTile = 12;  // rows per tile: 12 integer + 12 float sums i
 constexpr int64_t kMaxTile = 4;
 #endif
 
+// The first k of pair p = 4h + q of a group (q: which of the load's four operands); the
+// second is 2 further on.
+constexpr int64_t PairK(int64_t p) { return (p % 4 >= 2 ? 16 : 0) + 4 * (p / 4) + p % 2; }
+
 // Rows [r0, r1) of x [T, K] rounded per group into the tile layout the tiles read: for the
-// tile of n rows starting at t0, xq as int32 quads of k, quad-major
-// (xt[t0 * K / 4 + (k / 4) * n + r - t0]), and per group dx and dx * sum(xq)
-// (at t0 * G + g * n + r - t0). A row holding an inf or a NaN gets dx = NaN, so its outputs
-// are NaN as a float product's would be; a group of zeros gets dx = 0.
+// tile of n rows starting at t0, xq as int32 pairs of int16 (the lower k in the low half),
+// pair-major (xt[t0 * K / 2 + (g * 16 + p) * n + r - t0]), and per group dx and
+// dx * sum(xq) (at t0 * G + g * n + r - t0). A row holding an inf or a NaN gets dx = NaN, so
+// its outputs are NaN as a float product's would be; a group of zeros gets dx = 0.
 void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
                   int32_t* xt, float* dx, float* xsum) {
   const int64_t G = K / kGroup;
@@ -63,7 +70,7 @@ void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
       }
       const bool finite = _mm256_movemask_ps(bad) == 0;
-      int32_t* quads = xt + t0 * (K / 4) + (r - t0);
+      int32_t* pairs = xt + t0 * (K / 2) + (r - t0);
       for (int64_t g = 0; g < G; ++g) {
         const float* v = xr + g * kGroup;
         __m256 a[4];
@@ -76,27 +83,19 @@ void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
         _mm256_storeu_ps(lanes, amax8);
         float amax = 0.0f;
         for (float l : lanes) amax = std::max(amax, l);
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i q[4];
-        __m256i total = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {  // rounded to nearest, ties to even, as jnp.round
-          q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
-          total = _mm256_add_epi32(total, q[i]);
-        }
-        // packs work within 128-bit lanes; this permutation puts k back in order
-        const __m256i w16a = _mm256_packs_epi32(q[0], q[1]);
-        const __m256i w16b = _mm256_packs_epi32(q[2], q[3]);
-        const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
-                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        int32_t quad[8], sums[8];
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(quad), b8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), total);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        int32_t q[kGroup];
+        for (int i = 0; i < 4; ++i)  // rounded to nearest, ties to even, as jnp.round
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i),
+                              _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv)));
         int32_t sum = 0;
-        for (int i = 0; i < 8; ++i) {
-          quads[(g * (kGroup / 4) + i) * n] = quad[i];
-          sum += sums[i];
+        for (int64_t k = 0; k < kGroup; ++k) sum += q[k];
+        for (int64_t p = 0; p < kPairs; ++p) {
+          const int64_t k = PairK(p);
+          pairs[(g * kPairs + p) * n] = static_cast<int32_t>(
+              static_cast<uint16_t>(q[k]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 2])) << 16));
         }
-        const float d = finite ? amax / 127.0f : NAN;
+        const float d = finite ? amax / 32767.0f : NAN;
         dx[t0 * G + g * n + (r - t0)] = d;
         xsum[t0 * G + g * n + (r - t0)] = d * static_cast<float>(sum);
       }
@@ -116,15 +115,15 @@ inline void Prefetch(const uint8_t* w, const uint16_t* dp, const uint16_t* mp) {
 }
 
 #if XLASERVE_Q4_VNNI
-// R rows against one panel. Each vpdpbusd waits for the one before it on the same sums, so
-// a tile of few rows keeps C sets of integer sums (the low and high nibbles' steps, then
-// odd and even h, apart) and adds them at the end of the group.
+// R rows against one panel. Each vpdpwssd waits for the one before it on the same sums, so
+// a tile of few rows keeps C sets of integer sums (one per operand of a load, or per pair of
+// them) and adds them at the end of the group.
 template <int R>
 void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
           const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y, int64_t N) {
   constexpr int C = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   const int64_t G = K / kGroup;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i mask = _mm512_set1_epi32(0x000F000F);
   __m512 acc[R];
   __m512i s[C][R];
 #pragma GCC unroll 16
@@ -133,22 +132,22 @@ void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
 #pragma GCC unroll 16
     for (int i = 0; i < C * R; ++i) s[i / R][i % R] = _mm512_setzero_si512();
     const uint8_t* w = codes + g * kPanelGroupBytes;
-    const int32_t* xp = xt + g * (kGroup / 4) * R;
+    const int32_t* xp = xt + g * kPairs * R;
     if constexpr (R < 4) Prefetch(w, dp + g * kNR, mp + g * kNR);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
       const __m512i v = _mm512_loadu_si512(w + h * 64);
-      const __m512i lo = _mm512_and_si512(v, mask);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      constexpr int c_lo = 0;
-      constexpr int c_hi = C >= 2 ? 1 : 0;
-      const int c_h = C >= 4 ? 2 * (h & 1) : 0;
+      const __m512i op[4] = {_mm512_and_si512(v, mask),
+                             _mm512_and_si512(_mm512_srli_epi32(v, 8), mask),
+                             _mm512_and_si512(_mm512_srli_epi32(v, 4), mask),
+                             _mm512_and_si512(_mm512_srli_epi32(v, 12), mask)};
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const int c = C == 4 ? q : C == 2 ? q % 2 : 0;
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        s[c_lo + c_h][r] = _mm512_dpbusd_epi32(s[c_lo + c_h][r], lo,
-                                               _mm512_set1_epi32(xp[h * R + r]));
-        s[c_hi + c_h][r] = _mm512_dpbusd_epi32(s[c_hi + c_h][r], hi,
-                                               _mm512_set1_epi32(xp[(h + 4) * R + r]));
+        for (int r = 0; r < R; ++r)
+          s[c][r] = _mm512_dpwssd_epi32(s[c][r], op[q],
+                                        _mm512_set1_epi32(xp[(4 * h + q) * R + r]));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + g * kNR)));
@@ -167,31 +166,30 @@ void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 #else
-// AVX2: 8 columns at a time. vpmaddubsw's pairs of products (at most 2 * 15 * 127) fit its
-// int16 lanes, and vpmaddwd by ones widens them to int32: the same integer sums.
+// AVX2: 8 columns at a time, vpmaddwd on the same operands: the same integer sums.
 template <int R>
 void HalfTile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
               const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
               int64_t N, int half) {
   const int64_t G = K / kGroup;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi32(0x000F000F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     const uint8_t* w = codes + g * kPanelGroupBytes + half * 32;
-    const int32_t* xp = xt + g * (kGroup / 4) * R;
+    const int32_t* xp = xt + g * kPairs * R;
     for (int h = 0; h < 4; ++h) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(w + h * 64));
-      const __m256i lo = _mm256_and_si256(v, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[h * R + r]));
-        const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[(h + 4) * R + r]));
-        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_add_epi16(a, b), ones));
-      }
+      const __m256i op[4] = {_mm256_and_si256(v, mask),
+                             _mm256_and_si256(_mm256_srli_epi32(v, 8), mask),
+                             _mm256_and_si256(_mm256_srli_epi32(v, 4), mask),
+                             _mm256_and_si256(_mm256_srli_epi32(v, 12), mask)};
+      for (int q = 0; q < 4; ++q)
+        for (int r = 0; r < R; ++r)
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
+                                            op[q], _mm256_set1_epi32(xp[(4 * h + q) * R + r])));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + g * kNR + half * 8)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + g * kNR + half * 8)));
@@ -228,7 +226,7 @@ void Panel(int64_t T, const int32_t* xt, const float* dx, const float* xsum, int
            int64_t N) {
   const int64_t G = K / kGroup;
   xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
-    TileOf<kMaxTile>(n, xt + r * (K / 4), dx + r * G, xsum + r * G, K, codes, dp, mp,
+    TileOf<kMaxTile>(n, xt + r * (K / 2), dx + r * G, xsum + r * G, K, codes, dp, mp,
                      y + r * N, N);
   });
 }
@@ -259,7 +257,7 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   // The calling thread's buffers, read by the pool's threads until this call returns.
   thread_local std::vector<int32_t> xt;
   thread_local std::vector<float> dx, xsum;
-  if (xt.size() < static_cast<size_t>(T * K / 4)) xt.resize(T * K / 4);
+  if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
   if (dx.size() < static_cast<size_t>(T * G)) {
     dx.resize(T * G);
     xsum.resize(T * G);

@@ -4,8 +4,9 @@ For a model the user names, "auto" keeps the checkpoint's weights (quantized or 
 stores the KV cache in the model's dtype, as vLLM does. For the demo model (no model named)
 on a CPU it is the fastest configuration docs/benchmarks.md measured: int4 weights with an
 int8 head and a float16 KV cache. The demo's weights come from a 4-bit GGUF (the file
-llama.cpp serves, Q4_1 layers and a Q8_0 embedding); int4 gives back the layers' own codes,
-and the perplexity costs are in docs/benchmarks.md ("The int4 kernel"). `quantize="none"`
+llama.cpp serves, Q4_1 layers and a Q8_0 embedding); int4 gives back the layers' own codes, and
+its int4 kernel keeps activations at 16 bits, so the default answers as the weights do as
+converted (docs/benchmarks.md, "CPU defaults that answer as converted"). `quantize="none"`
 with `kv_cache_dtype="float32"` serves the demo exactly as converted.
 """
 from __future__ import annotations
