@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from model import formats
 from model.config import ModelConfig
 from model.hf_weights import abstract_params, load_hf_params, np_dtype
 from quant.int4 import is_quantized
@@ -96,6 +97,9 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
         raise CheckpointError(f"model folder {path} does not exist")
     if not is_checkpoint(path):
         cfg = ModelConfig.from_dir(path, dtype)
+        prequantized = formats.load_folder(path, cfg, quantize)
+        if prequantized is not None:
+            return cfg, jax.tree.map(jax.numpy.asarray, prequantized)
         params = load_hf_params(path, cfg, progress)
         if quantize:
             params = quantize_params(params, quantize)

@@ -51,6 +51,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", *ATTENTION_BACKENDS],
                    help="auto: pallas on a GPU, the C++ kernel (cpu) or blocked elsewhere")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a folder whose tokenizer (and chat template) replaces the model's; "
+                        "for a GGUF file, instead of the one rebuilt from its metadata")
     p.add_argument("--quantize", "--quantization", dest="quantize", default="auto",
                    metavar="auto|none|int8|int4|fp8",
                    help="quantize an unquantized model's weights as it loads: int8 (per "
@@ -148,7 +151,7 @@ def _model(args) -> str | None:
 
 
 def _engine_config(args) -> EngineConfig:
-    kwargs = dict(model=_model(args), dtype=args.dtype, load_format=args.load_format,
+    kwargs = dict(model=_model(args), tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,

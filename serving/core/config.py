@@ -15,6 +15,9 @@ class EngineConfig:
     # checkpoint or HF folder, or an HF model id (org/name) in the local HF cache; None: the
     # demo model
     model: str | None = None
+    # a folder whose tokenizer files replace the model's (vLLM's --tokenizer); for a GGUF file
+    # instead of the tokenizer rebuilt from its metadata
+    tokenizer: str | None = None
     # weights and activations; "auto"/None: the config's, but bfloat16 for a float32 model on a
     # GPU (vLLM's rule); off-GPU the checkpoint's
     dtype: str | None = "auto"

@@ -20,6 +20,7 @@ import jax
 from model.attention import resolve_backend
 from model.checkpoint import param_bytes
 from model.config import KV_CACHE_DTYPES
+from model.formats import PREQUANTIZED_METHODS
 from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization
 from serving.engine import demo_defaults, memory_plan, mesh, multiprocess, sizing
@@ -82,7 +83,7 @@ class LLMEngine:
         if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
                              + ", ".join(KV_CACHE_DTYPES))
-        if ec.quantize:
+        if ec.quantize and ec.quantize not in PREQUANTIZED_METHODS:
             Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
         self.speculative_config = SpeculativeConfig.parse(ec.speculative_config)
         self.task = resolve_task(ec.task, ec.runner)
@@ -90,7 +91,7 @@ class LLMEngine:
             raise ValueError("--speculative-config is for generation, not --task embed")
         if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
-        self.model_dir = sizing.resolve_model_dir(ec.model)
+        self.model_dir = sizing.resolve_model_dir(ec.model, ec.tokenizer)
         mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
                                         every_device=self.cluster is not None)
         DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
@@ -98,7 +99,7 @@ class LLMEngine:
         started = time.perf_counter()
         self.cfg, params = load_weights(self.model_dir, ec, dtype)
         self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(ec.tokenizer or self.model_dir)
         # --task embed: pooler and model facts (a bad --pooler-config fails here)
         self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
                          if self.task == "embed" else None)

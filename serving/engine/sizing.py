@@ -20,9 +20,13 @@ GIB = 1 << 30
 CPU_MAX_MODEL_LEN = 2048  # the default cap off-GPU, where long contexts are slow anyway
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The folder to load; with no model, the demo model, fetched and converted on first use."""
+def resolve_model_dir(model: str | None, tokenizer: str | None = None) -> Path:
+    """The folder to load; with no model, the demo model, fetched and converted on first use.
+    A GGUF file gets a folder of its own (model/formats/gguf_file.py)."""
     if model is not None:
+        from model.formats.gguf_file import gguf_folder, is_gguf_path
+        if is_gguf_path(model):
+            return gguf_folder(model, tokenizer)
         return resolve_model_source(model)
     from model.checkpoint import convert_hf, is_checkpoint
     from model.demo import fetch_demo_model

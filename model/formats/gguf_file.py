@@ -1,0 +1,292 @@
+"""Serving a GGUF file (llama.cpp's, Ollama's) as it is: `xlaserve serve model.gguf`.
+
+The engine reads a model from a folder, so a GGUF gets one of its own, made once in the cache
+(`gguf_folder`): config.json and generation_config.json from the file's metadata, the
+tokenizer rebuilt from its vocabulary by transformers' GGUF converter (or copied from
+`--tokenizer DIR`), and `gguf.json` naming the file (all shards of a `-0000N-of-0000M`
+split). The weights are read from the file itself at every load (`load_gguf_weights`), onto
+our forms by model/formats/gguf_tensors.py; nothing is converted or stored twice.
+
+Families: GGUF's `llama` (Llama, Mistral, SmolLM), `qwen2` and `qwen3`. llama.cpp permutes
+a `llama` file's attn_q / attn_k rows for its rotary kernel; they are put back here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from model.config import ModelConfig
+from model.formats.gguf_tensors import (KERNEL_TYPES, embedding, permute_rows, tensor_form,
+                                        unpermute_order)
+from model.formats.param_tree import ParamFiller, form
+from model.hf_weights import WeightsError
+
+POINTER = "gguf.json"
+_VERSION = 1
+_SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+_TOP = {"token_embd.weight": ("embed",), "output_norm.weight": ("final_norm", "scale"),
+        "output.weight": ("lm_head", "kernel")}
+_LAYER = {"attn_norm.weight": ("input_norm", "scale"), "ffn_norm.weight": ("post_norm", "scale"),
+          "attn_q_norm.weight": ("attn", "q_norm", "scale"),
+          "attn_k_norm.weight": ("attn", "k_norm", "scale"),
+          "ffn_gate.weight": ("mlp", "gate_proj", "kernel"),
+          "ffn_up.weight": ("mlp", "up_proj", "kernel"),
+          "ffn_down.weight": ("mlp", "down_proj", "kernel"),
+          "attn_output.weight": ("attn", "o_proj", "kernel")}
+for _p in "qkv":
+    _LAYER[f"attn_{_p}.weight"] = ("attn", f"{_p}_proj", "kernel")
+    _LAYER[f"attn_{_p}.bias"] = ("attn", f"{_p}_proj", "bias")
+
+
+class GGUFError(WeightsError):
+    pass
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return Path(path).suffix == ".gguf"
+
+
+def is_gguf_folder(folder: str | Path) -> bool:
+    return (Path(folder) / POINTER).is_file()
+
+
+def shard_files(path: Path) -> list[Path]:
+    """A single file, or every shard of the split the named shard belongs to."""
+    m = _SHARD.match(path.name)
+    if not m:
+        return [path]
+    stem, count = m.group(1), int(m.group(3))
+    files = [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise GGUFError(f"{path.name} is one of {count} shards; missing: {', '.join(missing)}")
+    return files
+
+
+def _readers(files: list[Path]):
+    from gguf import GGUFReader
+    readers = []
+    for f in files:
+        try:
+            readers.append(GGUFReader(f))
+        except Exception as e:  # the reader raises bare errors on a damaged file
+            raise GGUFError(f"{f} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+    return readers
+
+
+def metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            value = field.contents()
+            meta[key] = value.tolist() if isinstance(value, np.ndarray) else value
+    return meta
+
+
+def _f32(value: float) -> float:
+    return float(str(np.float32(value)))  # 1e-5 is stored as 9.99999975e-06
+
+
+def hf_config(meta: dict, tensors: dict) -> dict:
+    """The config.json a GGUF's metadata stands for (tensors: name -> (type, shape))."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} is not served; supported: "
+                        + ", ".join(ARCHITECTURES))
+    if "rope_freqs.weight" in tensors:
+        raise GGUFError("this GGUF scales RoPE by a rope_freqs tensor (Llama 3.1 style), "
+                        "which is not read from GGUF files yet; serve the Hugging Face folder")
+    key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise GGUFError(f"{arch}.rope.scaling.type {scaling!r} is not served")
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    else:
+        scaling = None
+    tied = "output.weight" not in tensors
+    config = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "vocab_size": int(tensors["token_embd.weight"][1][1]),
+        "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", key("rope.dimension_count", hidden // heads)),
+        "hidden_act": "silu", "max_position_embeddings": key("context_length", 2048),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(key("rope.freq_base", 10000.0)), "rope_scaling": scaling,
+        "attention_bias": False, "tie_word_embeddings": tied,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": _dtype(tensors),
+    }
+    return config
+
+
+def _dtype(tensors: dict) -> str:
+    """float32 unless every matrix is stored as bfloat16 or float16 (then that)."""
+    from gguf import GGMLQuantizationType as T
+    kinds = {kind for kind, shape in tensors.values() if len(shape) == 2}
+    return {frozenset({T.BF16}): "bfloat16", frozenset({T.F16}): "float16"}.get(
+        frozenset(kinds), "float32")
+
+
+def _generation_config(meta: dict) -> dict:
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = [meta.get("tokenizer.ggml.eos_token_id")]
+    for name in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if meta.get(name) is not None and meta[name] not in eos:
+            eos.append(meta[name])
+    # Chat models end their turns on an end-of-turn token the metadata may not name.
+    for turn_end in ("<|im_end|>", "<|eot_id|>"):
+        if turn_end in tokens and tokens.index(turn_end) not in eos:
+            eos.append(tokens.index(turn_end))
+    eos = [e for e in eos if e is not None]
+    return {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
+
+
+def _write_tokenizer(meta: dict, folder: Path) -> None:
+    """tokenizer.json and tokenizer_config.json from the metadata (transformers' converter)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    if "tokenizer.ggml.tokens" not in meta:
+        return  # outputs carry token ids only, as for a bare config folder; --tokenizer DIR
+    grouped = {group: {name: meta[f"tokenizer.{k}"] for k, name in renames.items()
+                       if f"tokenizer.{k}" in meta}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    backend, _ = convert_gguf_tokenizer(meta["general.architecture"], grouped["tokenizer"])
+    tokens = meta["tokenizer.ggml.tokens"]
+    special = {name: tokens[meta[f"tokenizer.ggml.{key}"]]
+               for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                                 ("unk_token", "unknown_token_id"),
+                                 ("pad_token", "padding_token_id"))
+               if meta.get(f"tokenizer.ggml.{key}") is not None}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    config = grouped["tokenizer_config"]
+    if config.get("chat_template"):
+        tok.chat_template = config["chat_template"]
+    tok.save_pretrained(str(folder))
+    path = folder / "tokenizer_config.json"
+    saved = json.loads(path.read_text())
+    saved["add_bos_token"] = bool(config.get("add_bos_token",
+                                             meta["tokenizer.ggml.model"] == "llama"))
+    saved["add_eos_token"] = bool(config.get("add_eos_token", False))
+    path.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n")
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "xlaserve" / "gguf"
+
+
+def gguf_folder(path: str | Path, tokenizer: str | Path | None = None,
+                cache: Path | None = None) -> Path:
+    """The folder the engine loads for a GGUF file: made once per file (path, size, mtime)
+    and tokenizer choice, under the cache."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {path} does not exist")
+    files = shard_files(path)
+    stamp = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    tok_dir = Path(tokenizer).expanduser().resolve() if tokenizer else None
+    digest = hashlib.sha256(json.dumps([_VERSION, stamp, str(tok_dir)]).encode()).hexdigest()
+    out = (cache or _cache_root()) / f"{files[0].stem}-{digest[:16]}"
+    if is_gguf_folder(out):
+        return out
+    readers = _readers(files)
+    meta = metadata(readers[0])
+    tensors = {t.name: (t.tensor_type, tuple(int(d) for d in t.shape))
+               for r in readers for t in r.tensors}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_json(tmp / "config.json", hf_config(meta, tensors))
+        _write_json(tmp / "generation_config.json", _generation_config(meta))
+        if tok_dir is not None:
+            from model.checkpoint import SIDE_FILES
+            copied = [n for n in SIDE_FILES if n not in ("config.json", "generation_config.json")
+                      and (tok_dir / n).is_file()]
+            if not copied:
+                raise GGUFError(f"--tokenizer {tok_dir} holds no tokenizer files")
+            for name in copied:
+                shutil.copy2(tok_dir / name, tmp / name)
+        else:
+            _write_tokenizer(meta, tmp)
+        _write_json(tmp / POINTER, {"version": _VERSION, "files": [str(f) for f in files]})
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not is_gguf_folder(out):  # a concurrent start finishing first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
+                      ) -> tuple[dict, list[str]]:
+    """The parameter tree from the GGUF file(s) a `gguf_folder` names, and the log lines."""
+    if quantize and quantize != "gguf":
+        raise GGUFError(f"a GGUF file is already quantized; --quantize {quantize} does not "
+                        "agree with it: leave --quantize out")
+    pointer = json.loads((Path(folder) / POINTER).read_text())
+    files = [Path(f) for f in pointer["files"]]
+    readers = _readers(files)
+    permuted = metadata(readers[0]).get("general.architecture") == "llama"
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    filler = ParamFiller(cfg)
+    kinds: dict[str, set[str]] = {}
+    for reader in readers:
+        for t in reader.tensors:
+            target = _target(t.name)
+            if target is None:
+                raise GGUFError(f"unexpected tensor {t.name!r} in {Path(reader.path).name}")
+            path, layer = target
+            shape = tuple(int(d) for d in t.shape)
+            try:
+                value = (embedding(t.data, t.tensor_type, shape) if path == ("embed",)
+                         else tensor_form(t.data, t.tensor_type, shape))
+            except ValueError as e:
+                raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, shape {shape}) "
+                                f"cannot be read: {e}") from e
+            kind = t.name.split(".")[-2]
+            if permuted and kind in heads:
+                value = permute_rows(value, unpermute_order(value.shape[-1], heads[kind]))
+            filler.set(path, layer, value, t.name)
+            label = f"{t.tensor_type.name} -> {form(value)}" + (
+                "" if t.tensor_type in KERNEL_TYPES and path != ("embed",) or len(shape) == 1
+                else " (dequantized at load)")
+            kinds.setdefault(path[-2] if path[-1] in ("kernel", "bias") else path[-1]
+                             if path[0] != "embed" else "embed", set()).add(label)
+    params = filler.finish()
+    log = [f"checkpoint format: GGUF ({', '.join(f.name for f in files)})"]
+    log += [f"  {k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items())]
+    log += [f"  {note}" for note in filler.notes]
+    return params, log
+
+
+def _target(name: str):
+    if name in _TOP:
+        return _TOP[name], None
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER:
+        return ("layers",) + _LAYER[m.group(2)], int(m.group(1))
+    return None

@@ -1,0 +1,120 @@
+"""GGUF tensors onto our weight forms, on their own codes wherever one of our kernels fits.
+
+A GGUF matrix is stored row by row (one row per output, `ne[0]` inputs each), each row in
+blocks along the inputs. The blocks we map exactly:
+
+- Q4_1 (32 values: float16 d, m, 16 bytes of nibbles): W = d * q + m, our `Int4Array` as is.
+- Q4_0 (float16 d, nibbles): W = d * (q - 8): an Int4Array with offset -8d (exact in float16).
+- Q4_K (super-blocks of 256: float16 d and dmin, eight 6-bit scales and mins, nibbles):
+  W = (d * sc) * q - dmin * mn per sub-block of 32, an Int4Array with float32 scales and
+  offsets (products of a float16 and a 6-bit integer, exact in float32), float16 where exact.
+- F32 / F16 / BF16: float.
+
+Every other type (Q8_0, Q5_*, Q6_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by
+the `gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
+Nibble order in a 32-value block: value j < 16 in the low nibble of byte j, value j + 16 in
+its high nibble. Q4_K's 64-value chunks hold sub-block 2c in the low nibbles and 2c + 1 in
+the high ones.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from quant.int4 import Int4Array
+
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)  # mapped onto our int4 kernel
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two little-endian bytes per value -> float16."""
+    return np.ascontiguousarray(raw).view("<f2")[..., 0]
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes in the block's value order."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_blocks(data: np.ndarray, rows: int, cols: int, with_min: bool):
+    """Q4_0 / Q4_1 rows -> (codes [rows, cols], d [rows, cols/32], m or None), each row's
+    blocks in order."""
+    size = 20 if with_min else 18
+    blocks = data.reshape(rows, cols // 32, size)
+    d = _f16(blocks[..., 0:2])
+    m = _f16(blocks[..., 2:4]) if with_min else None
+    codes = _nibbles32(blocks[..., size - 16:]).reshape(rows, cols)
+    return codes, d, m
+
+
+def _k_scales(packed: np.ndarray):
+    """Q4_K / Q5_K's 12 bytes -> (8 scales, 8 mins), 6 bits each (llama.cpp's layout)."""
+    q = packed.astype(np.uint8)
+    sc = np.empty(q.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _q4_k(data: np.ndarray, rows: int, cols: int):
+    """Q4_K rows -> (codes [rows, cols], scale, offset float32 [rows, cols/32])."""
+    blocks = data.reshape(rows, cols // 256, 144)
+    d = _f16(blocks[..., 0:2]).astype(np.float32)
+    dmin = _f16(blocks[..., 2:4]).astype(np.float32)
+    sc, mn = _k_scales(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)  # four chunks of 64 values
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    scale = (d[..., None] * sc).reshape(rows, cols // 32)
+    offset = -(dmin[..., None] * mn).reshape(rows, cols // 32)
+    return codes, scale, offset
+
+
+def _f16_if_exact(a: np.ndarray) -> np.ndarray:
+    h = a.astype(np.float16)
+    return h if np.array_equal(h.astype(np.float32), a) else a
+
+
+def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
+    """One GGUF tensor (raw `data` as the reader gives it, `shape` in GGUF's order, inputs
+    first) -> its value in our orientation: a matrix [in, out] as an Int4Array or float32
+    array, a vector as float32."""
+    if len(shape) == 1 or kind in FLOAT_TYPES or kind not in KERNEL_TYPES:
+        w = np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
+        return w.T if w.ndim == 2 else w
+    cols, rows = shape  # cols inputs per row, one row per output
+    if kind == T.Q4_K:
+        codes, scale, offset = _q4_k(data, rows, cols)
+        scale, offset = _f16_if_exact(scale), _f16_if_exact(offset)
+        if scale.dtype != offset.dtype:
+            scale, offset = scale.astype(np.float32), offset.astype(np.float32)
+    else:
+        codes, d, m = _q4_blocks(data, rows, cols, with_min=kind == T.Q4_1)
+        scale, offset = d, m if m is not None else d * np.float16(-8)
+    return Int4Array(codes.T.astype(np.uint8), scale.T, offset.T)
+
+
+def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
+    """token_embd as our table [vocab, hidden], float32: lookups take float or per-row int8
+    tables, so every GGUF type is read exactly into float32."""
+    return np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
+
+
+def permute_rows(value, perm: np.ndarray):
+    """Output channels reordered (llama.cpp's Q/K permutation undone) in any of our forms:
+    a kernel [in, out] or a bias [out]."""
+    if isinstance(value, Int4Array):
+        return Int4Array(value.values[:, perm], value.scale[:, perm], value.zero[:, perm])
+    return value[..., perm]
+
+
+def unpermute_order(rows: int, heads: int) -> np.ndarray:
+    """The output-row order that undoes llama.cpp's rotary permutation of attn_q / attn_k:
+    within each head it interleaves the two rotary halves (rows i and i + d/2 neighbours);
+    Hugging Face keeps them apart."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)

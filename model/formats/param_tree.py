@@ -1,0 +1,154 @@
+"""Filling the model's parameter tree one tensor at a time, for loaders of other formats.
+
+A loader hands each weight over already in our orientation (kernels [in, out]) and in one of
+our forms: a float numpy array, a `QuantArray` or an `Int4Array` of numpy arrays. Layers are
+stacked on a leading axis, so every layer of one leaf must end up in one form: where a file
+mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K), `finish` dequantizes the
+leaf's quantized layers exactly into float32 and says so in `notes`.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import numpy as np
+
+from model.config import ModelConfig
+from model.hf_weights import WeightsError, np_dtype
+from model.transformer import abstract_params
+from quant.array import QuantArray
+from quant.int4 import Int4Array
+
+Path = tuple[str, ...]
+
+
+def form(value) -> str:
+    """A value's form, for the log: 'float32', 'int8 per channel', 'int4 (float16 scales)'."""
+    if isinstance(value, Int4Array):
+        return f"int4 ({np.dtype(value.scale.dtype).name} scales)"
+    if isinstance(value, QuantArray):
+        scheme = "int8" if np.dtype(value.values.dtype) == np.int8 else "fp8"
+        return f"{scheme} per {'tensor' if value.scale.shape[-2:] == (1, 1) else 'channel'}"
+    return np.dtype(value.dtype).name
+
+
+def _signature(value):
+    parts = (value.values, value.scale) if isinstance(value, QuantArray) else \
+        (value.values, value.scale, value.zero) if isinstance(value, Int4Array) else (value,)
+    return (type(value).__name__,) + tuple((a.shape, np.dtype(a.dtype).name) for a in parts)
+
+
+def dequantize_np(value) -> np.ndarray:
+    """A value in any of our forms as float32, exactly as the kernels read it."""
+    if isinstance(value, Int4Array):
+        *lead, k, n = value.values.shape
+        groups = value.scale.shape[-2]
+        codes = value.values.astype(np.float32).reshape(*lead, groups, k // groups, n)
+        w = (codes * value.scale.astype(np.float32)[..., None, :]
+             + value.zero.astype(np.float32)[..., None, :])
+        return w.reshape(*lead, k, n)
+    if isinstance(value, QuantArray):
+        return value.values.astype(np.float32) * value.scale.astype(np.float32)
+    return np.asarray(value, np.float32)
+
+
+class ParamFiller:
+    """Collects a model's weights; `finish()` returns the stacked tree."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.abstract = abstract_params(cfg)
+        self.dtype = np_dtype(cfg.dtype)
+        self.top: dict[Path, object] = {}
+        self.layers: dict[Path, dict[int, object]] = {}
+        self.notes: list[str] = []  # what the log should say about forms and fallbacks
+
+    def _declared(self, path: Path) -> tuple[int, ...]:
+        node = self.abstract
+        try:
+            for p in path:
+                node = node[p]
+        except (KeyError, TypeError):
+            raise WeightsError(f"{'/'.join(path)} does not belong in a "
+                               f"{self.cfg.architecture} with this config") from None
+        return tuple(node.shape)
+
+    def set(self, path: Path, layer: int | None, value, name: str) -> None:
+        """value: float array or QuantArray / Int4Array, shaped as the model declares it
+        (without the layer axis); name: the tensor's name in the file, for errors."""
+        if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
+            return  # a tied checkpoint may still store the (identical) head
+        declared = self._declared(path)
+        want = declared[1:] if path[0] == "layers" else declared
+        if path[0] == "layers" and (layer is None or not 0 <= layer < declared[0]):
+            raise WeightsError(f"tensor {name!r}: layer {layer} but the config has "
+                               f"{declared[0]} layers")
+        shape = tuple(value.values.shape if isinstance(value, (QuantArray, Int4Array))
+                      else value.shape)
+        if shape != want:
+            raise WeightsError(f"tensor {name!r} has shape {shape} where the model wants "
+                               f"{want} (as [in, out] for a kernel)")
+        if not isinstance(value, (QuantArray, Int4Array)):
+            value = np.asarray(value)
+        if path[0] == "layers":
+            self.layers.setdefault(path, {})[layer] = value
+        else:
+            self.top[path] = value
+
+    def finish(self) -> dict:
+        params = jax.tree.map(lambda a: None, self.abstract)
+        missing = []
+        for path, a in _flatten(self.abstract):
+            if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
+                continue
+            if path[0] != "layers":
+                if path not in self.top:
+                    missing.append("/".join(path))
+                    continue
+                _put(params, path, self._float_or_keep(self.top[path]))
+                continue
+            got = self.layers.get(path, {})
+            absent = [i for i in range(a.shape[0]) if i not in got]
+            if absent:
+                missing.append("/".join(path) + f" (layers {absent[:4]})")
+                continue
+            _put(params, path, self._stack(path, [got[i] for i in range(a.shape[0])]))
+        if missing:
+            raise WeightsError("missing tensor(s): " + ", ".join(missing[:5])
+                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        return params
+
+    def _float_or_keep(self, value):
+        if isinstance(value, (QuantArray, Int4Array)):
+            return value
+        return value.astype(self.dtype)
+
+    def _stack(self, path: Path, values: list):
+        kinds = Counter(_signature(v) for v in values)
+        if len(kinds) == 1:
+            first = values[0]
+            if isinstance(first, QuantArray):
+                return QuantArray(np.stack([v.values for v in values]),
+                                  np.stack([v.scale for v in values]))
+            if isinstance(first, Int4Array):
+                return Int4Array(*(np.stack([getattr(v, f) for v in values])
+                                   for f in ("values", "scale", "zero")))
+            return np.stack(values).astype(self.dtype)
+        forms = Counter(form(v) for v in values)
+        self.notes.append(f"{'/'.join(path[1:])}: layers mix {dict(forms)}; all dequantized "
+                          "to float32 (one form per stacked weight)")
+        return np.stack([dequantize_np(v) for v in values])
+
+
+def _flatten(tree, prefix: Path = ()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, prefix + (k,))
+    else:
+        yield prefix, tree
+
+
+def _put(tree, path: Path, value) -> None:
+    for p in path[:-1]:
+        tree = tree[p]
+    tree[path[-1]] = value

@@ -1,0 +1,179 @@
+"""GGUF files served as they are (model/formats/gguf_file.py, gguf_tensors.py): each block type
+read exactly as llama.cpp reads it, onto the int4 kernel where it maps, tiny models of each
+family token for token against transformers on the same (dequantized) weights, the demo's
+own file, and clear errors for damaged files."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from model.checkpoint import load_model
+from model.formats.gguf_file import GGUFError, gguf_folder
+from model.formats.gguf_tensors import tensor_form, unpermute_order
+from model.formats.param_tree import dequantize_np
+from model.hf_weights import _target
+from quant.int4 import Int4Array
+from serving import LLM, SamplingParams
+from tests.gguf_tiny import permute_for_llama_cpp, write_gguf
+from tests.hf_tiny import tiny_hf_model
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16)
+OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
+               token_buckets=(4, 16), request_buckets=(4,), page_buckets=(16,), progress=False)
+# Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), dequantized ones
+# (Q8_0, F16) and float32.
+MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "ffn_down": T.Q4_0,
+                   "ffn_gate": T.Q4_1, "ffn_up": T.F16, "output": T.Q8_0, "token_embd": T.Q8_0},
+         "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
+                   "token_embd": T.Q4_1},
+         "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0}}
+PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def tiny_gguf(request, tmp_path_factory, gguf_cache):
+    family = request.param
+    out = tmp_path_factory.mktemp(f"gguf-{family}")
+    overrides = dict(SIZES, tie_word_embeddings=family != "llama")
+    if family == "qwen2":  # its tiny config has 3 KV heads
+        overrides.pop("head_dim")
+        overrides["num_key_value_heads"] = 2
+    model = tiny_hf_model(family, out / "hf", seed=5, **overrides)
+    path, expected = write_gguf(model, family, out / f"{family}.gguf", MIXES[family])
+    return family, model, path, expected
+
+
+# -- each block type ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1, T.Q8_0, T.F16, T.BF16, T.Q5_0, T.Q5_1])
+def test_block_types_read_as_the_format_dequantizes_them(kind):
+    w = np.random.default_rng(int(kind)).standard_normal((48, 256)).astype(np.float32)
+    data = quantize(w, kind)
+    value = tensor_form(data, kind, (256, 48))
+    want = np.asarray(dequantize(data, kind), np.float32).reshape(48, 256).T
+    np.testing.assert_array_equal(dequantize_np(value), want)
+    assert isinstance(value, Int4Array) == (kind in (T.Q4_0, T.Q4_1))
+    if isinstance(value, Int4Array):
+        assert value.scale.dtype == np.float16 and value.values.max() <= 15
+
+
+def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q4_K blocks of random codes, scales and mins (the gguf package only dequantizes K-quants)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    d = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16)
+    raw[..., 0:4] = d.view(np.uint8).reshape(rows, cols // 256, 4)
+    return raw.reshape(rows, -1)
+
+
+def test_q4_k_runs_on_the_int4_form_exactly():
+    data = random_q4_k(32, 512, seed=1)
+    value = tensor_form(data, T.Q4_K, (512, 32))
+    assert isinstance(value, Int4Array)
+    want = np.asarray(dequantize(data, T.Q4_K), np.float32).reshape(32, 512).T
+    np.testing.assert_array_equal(dequantize_np(value), want)
+
+
+def test_unpermute_undoes_llama_cpp_rotary_order():
+    w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(64, 3)
+    np.testing.assert_array_equal(permute_for_llama_cpp(w, 4)[unpermute_order(64, 4)], w)
+
+
+# -- whole files -------------------------------------------------------------------------------
+
+def test_weights_equal_the_files_dequantization(tiny_gguf):
+    family, model, path, expected = tiny_gguf
+    cfg, params = load_model(gguf_folder(path))
+    for hf_name, want in expected.items():
+        tpath, layer, transpose = _target(hf_name, cfg)
+        leaf = params
+        for p in tpath:
+            leaf = leaf[p]
+        got = dequantize_np(_host(leaf))
+        got = got[layer] if layer is not None else got
+        np.testing.assert_array_equal(got, want.T if transpose else want, err_msg=hf_name)
+    # the int4 kernel's types stay on their codes
+    mix = MIXES[family]
+    for kind, (module, proj) in {"attn_q": ("attn", "q_proj"), "ffn_down": ("mlp", "down_proj"),
+                                 "attn_k": ("attn", "k_proj")}.items():
+        if kind in mix:
+            kernel = params["layers"][module][proj]["kernel"]
+            assert isinstance(kernel, Int4Array) == (mix[kind] in (T.Q4_0, T.Q4_1)), kind
+
+
+def _host(leaf):
+    if isinstance(leaf, Int4Array):
+        return Int4Array(*(np.asarray(getattr(leaf, f)) for f in ("values", "scale", "zero")))
+    return np.asarray(leaf)
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(tiny_gguf):
+    family, model, path, expected = tiny_gguf
+    model.load_state_dict({n: torch.from_numpy(w) for n, w in expected.items()}, strict=False)
+    llm = LLM(str(path), **OPTIONS)
+    ours = [r.token_ids for r in llm.generate(PROMPTS, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))]
+    with torch.no_grad():
+        for prompt, got in zip(PROMPTS, ours):
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                                 min_new_tokens=12, pad_token_id=0)
+            assert got == out[0, len(prompt):].tolist()
+
+
+def test_folder_made_once_with_config_and_pointer(tiny_gguf, tmp_path):
+    family, model, path, _ = tiny_gguf
+    folder = gguf_folder(path, cache=tmp_path)
+    assert gguf_folder(path, cache=tmp_path) == folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == model.config.num_hidden_layers
+    assert config["tie_word_embeddings"] == model.config.tie_word_embeddings
+    assert json.loads((folder / "gguf.json").read_text())["files"] == [str(path.resolve())]
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def test_truncated_file_is_a_clear_error(tiny_gguf, tmp_path):
+    _, _, path, _ = tiny_gguf
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        gguf_folder(cut, cache=tmp_path)
+
+
+def test_missing_shard_is_a_clear_error(tiny_gguf, tmp_path):
+    _, _, path, _ = tiny_gguf
+    first = tmp_path / "m-00001-of-00002.gguf"
+    first.write_bytes(path.read_bytes())
+    with pytest.raises(GGUFError, match="missing: m-00002-of-00002.gguf"):
+        gguf_folder(first, cache=tmp_path)
+
+
+def test_quantize_flag_must_agree(tiny_gguf):
+    _, _, path, _ = tiny_gguf
+    with pytest.raises(GGUFError, match="already quantized"):
+        load_model(gguf_folder(path), quantize="int8")
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    from gguf import GGUFWriter
+    path = tmp_path / "x.gguf"
+    writer = GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not served"):
+        gguf_folder(path, cache=tmp_path)
