@@ -30,8 +30,8 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
 # handler `xlaserve_<name>`.
-KERNELS = ("q8_matmul", "q4_matmul", "paged_attention", "argmax", "masked_argmax", "dense_matmul",
-           "rms_norm")
+KERNELS = ("q8_matmul", "q4_matmul", "q8_0_matmul", "paged_attention", "argmax", "masked_argmax",
+           "dense_matmul", "rms_norm")
 
 
 def cpu_signature() -> str:

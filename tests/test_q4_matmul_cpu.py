@@ -9,8 +9,8 @@ from model.config import ModelConfig
 from model.runtime_params import prepare_params
 from model.transformer import init_params
 from pallas_kernels import cpu_ffi
-from pallas_kernels.q4_matmul_cpu import (pack_panels, q4_matmul, q4_matmul_reference,
-                                          unpack_panels)
+from pallas_kernels.q4_matmul_cpu import (fma_chain, pack_panels, q4_matmul,
+                                          q4_matmul_reference, unpack_panels)
 from quant.int4 import Int4Array, dequantize_int4, quantize_int4
 from quant.packed import PackedQ4, PackedQ8
 from quant.recipe import Recipe, describe, quantize_params
@@ -22,6 +22,16 @@ def weight(rng, K, N):
     d = (rng.random((K // 32, N)) / 50).astype(np.float16)
     m = (-rng.random((K // 32, N)) / 6).astype(np.float16)
     return codes, d, m
+
+
+def q4_k_scales(rng, d, m):
+    """float32 scales as GGUF's Q4_K makes them: a float16 times a 6-bit integer, most of
+    them not float16 values."""
+    G, N = d.shape
+    d32 = d.astype(np.float32) / 63 * rng.integers(1, 64, (G, N)).astype(np.float32)
+    m32 = m.astype(np.float32) / 63 * rng.integers(0, 64, (G, N)).astype(np.float32)
+    assert (d32.astype(np.float16).astype(np.float32) != d32).mean() > 0.5
+    return d32, m32
 
 
 def dense(codes, d, m):
@@ -42,8 +52,7 @@ def test_q4_matmul_matches_reference(T, K, N):
     codes, d, m = weight(rng, K, N)
     x = rng.standard_normal((T, K)).astype(np.float32)
     got = np.asarray(jax.jit(q4_matmul)(x, *pack_panels(codes, d, m)))
-    want = np.asarray(q4_matmul_reference(x, codes, d, m))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(got, np.asarray(q4_matmul_reference(x, codes, d, m)))
     # rounding x to int16 per 32 values moves the float64 product by under 0.01% of its range
     # (int8 activations moved it by up to 1%)
     exact = x.astype(np.float64) @ dense(codes, d, m)
@@ -70,8 +79,73 @@ def test_zero_and_non_finite_rows():
     assert (got[1] == 0).all()
     assert np.isnan(got[4]).all() and np.isnan(got[7]).all()
     ok = [0, 2, 3, 5, 6, 8]
-    np.testing.assert_allclose(got[ok], np.asarray(q4_matmul_reference(x[ok], codes, d, m)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[ok], np.asarray(q4_matmul_reference(x[ok], codes, d, m)))
+
+
+@pytest.mark.parametrize("T,K,N", [(1, 64, 32), (7, 576, 96), (37, 1536, 48)])
+def test_float32_scales_and_offsets(T, K, N):
+    rng = np.random.default_rng(T)
+    codes, d, m = weight(rng, K, N)
+    d32, m32 = q4_k_scales(rng, d, m)
+    packed = pack_panels(codes, d32, m32)
+    assert packed[1].dtype == packed[2].dtype == jnp.float32
+    x = (rng.standard_normal((T, K)) * rng.random((T, 1))).astype(np.float32)
+    got = np.asarray(jax.jit(q4_matmul)(x, *packed))
+    np.testing.assert_array_equal(got, np.asarray(q4_matmul_reference(x, codes, d32, m32)))
+    for r in {0, T // 2, T - 1}:
+        np.testing.assert_array_equal(np.asarray(q4_matmul(x[r:r + 1], *packed)), got[r:r + 1])
+    exact = x.astype(np.float64) @ dense(codes, d32, m32)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4 * np.abs(exact).max())
+
+
+def test_float16_scales_give_the_same_bits_as_float32():
+    rng = np.random.default_rng(4)
+    codes, d, m = weight(rng, 576, 64)
+    x = rng.standard_normal((9, 576)).astype(np.float32)
+    half = pack_panels(codes, d, m)
+    assert half[1].dtype == half[2].dtype == jnp.float16
+    want = np.asarray(q4_matmul(x, *half))
+    for scales in [(d.astype(np.float32), m.astype(np.float32)), (d, m.astype(np.float32))]:
+        single = pack_panels(codes, *scales)  # not both float16: both float32
+        assert single[1].dtype == single[2].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(q4_matmul(x, *single)), want)
+    back = unpack_panels(*pack_panels(codes, d.astype(np.float32), m.astype(np.float32)))
+    np.testing.assert_array_equal(np.asarray(back[1]), d.astype(np.float32))
+
+
+def test_the_kernel_refuses_mixed_scale_types():
+    rng = np.random.default_rng(6)
+    codes, d, m = weight(rng, 64, 16)
+    packed, dp, mp = pack_panels(codes, d, m)
+    with pytest.raises(Exception, match="both float16 or both float32"):
+        q4_matmul(np.ones((1, 64), np.float32), packed, dp, mp.astype(jnp.float32))
+
+
+def test_fma_chain_rounds_once_per_step():
+    """Against exact rational arithmetic, on sums that cancel, where rounding the product
+    first gives other bits, and on one that rounding in float64 first would put on a float32
+    halfway point."""
+    from fractions import Fraction
+    rng = np.random.default_rng(0)
+    a = rng.integers(-2**24, 2**24, (3, 500)).astype(np.float32)
+    b = (rng.standard_normal((3, 500)) * 1e-6).astype(np.float32)
+    b[1] = -b[0] * a[0] / a[1]  # the second product nearly cancels the first
+    # 1 + 62525 * 17173 * 2^-54 = 1 + 2^-24 + 2^-54: just above halfway to 1 + 2^-23,
+    # exactly halfway once rounded to float64 (and then to even: 1)
+    a[:, 0], b[:, 0] = [1, 62525, 0], [1, np.ldexp(17173.0, -54), 0]
+    got = np.asarray(fma_chain(a, b))
+    assert got[0] == np.float32(1 + 2**-23)
+
+    def rounded(v: Fraction) -> np.float32:
+        f = np.float32(float(v))
+        near = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+        return min(near, key=lambda c: (abs(Fraction(float(c)) - v), int(c.view(np.uint32)) & 1))
+
+    for i in range(a.shape[1]):
+        y = np.float32(0)
+        for s in range(3):
+            y = rounded(Fraction(float(a[s, i])) * Fraction(float(b[s, i])) + Fraction(float(y)))
+        assert got[i].view(np.uint32) == y.view(np.uint32), i
 
 
 def test_leading_axes_and_dtype():
@@ -173,5 +247,5 @@ def test_int4_splits_between_devices_in_whole_groups():
     cols = _cut(w, -1, 16, 32)
     np.testing.assert_array_equal(np.asarray(dequantize_int4(cols)),
                                   np.asarray(dequantize_int4(w))[:, 16:])
-    with pytest.raises(ValueError, match="whole groups of 32"):
+    with pytest.raises(ValueError, match="groups of 32"):
         _cut(w, -2, 0, 48)

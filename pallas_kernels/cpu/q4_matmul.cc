@@ -1,7 +1,9 @@
 // y[T, N] = x[T, K] @ W[K, N] with W 4-bit in groups of 32 along k: for k in group g,
-// W[k][n] = d[g][n] * c[k][n] + m[g][n], codes c in 0..15 and float16 d, m per group and
-// column. This is GGUF's Q4_1, so a Q4_1 checkpoint runs on its own weights, and a decode
-// step reads 0.625 bytes a weight where int8 reads 1.
+// W[k][n] = d[g][n] * c[k][n] + m[g][n], codes c in 0..15 and d, m per group and column,
+// both float16 or both float32. This is GGUF's Q4_1, so a Q4_1 checkpoint runs on its own
+// weights, and a decode step reads 0.625 bytes a weight where int8 reads 1. float32 scales
+// are for formats whose per-group scales float16 cannot hold exactly (Q4_K's are products
+// of a float16 and a 6-bit integer); a float16 scale gives the same bits either way.
 //
 // Each row of x is rounded to int16 per group of 32 (x ~ dx[r][g] * xq[r][k], |xq| <= 32767:
 // the activations keep 16 bits, where int8 ones, llama.cpp's Q8_1, flip greedy answers of
@@ -17,6 +19,8 @@
 // k = 16 + 4h + i in its high one, column j. One 64-byte load, four shifts and a mask give
 // four operands of 16 columns x a pair of k each: k = (4h, 4h + 2), (4h + 1, 4h + 3), and
 // the same plus 16 (kPairK). d and m are [panel][group][16].
+//
+// Functions templated on S take the scales' storage: uint16_t (float16 bits) or float.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "group_quant.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -60,34 +65,17 @@ constexpr int64_t PairK(int64_t p) { return (p % 4 >= 2 ? 16 : 0) + 4 * (p / 4) 
 void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
                   int32_t* xt, float* dx, float* xsum) {
   const int64_t G = K / kGroup;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   xlaserve::EvenTiles(T, kMaxTile, [&](int64_t t0, int64_t n) {
     for (int64_t r = std::max(r0, t0); r < std::min(r1, t0 + n); ++r) {
       const float* xr = x + r * K;
-      __m256 bad = _mm256_setzero_ps();  // lanes that met an inf or a NaN
-      for (int64_t k = 0; k < K; k += 8) {
-        const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k));
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
-      }
-      const bool finite = _mm256_movemask_ps(bad) == 0;
+      const bool finite = xlaserve::RowFinite(xr, K);
       int32_t* pairs = xt + t0 * (K / 2) + (r - t0);
       for (int64_t g = 0; g < G; ++g) {
-        const float* v = xr + g * kGroup;
-        __m256 a[4];
-        __m256 amax8 = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          a[i] = finite ? _mm256_loadu_ps(v + 8 * i) : _mm256_setzero_ps();
-          amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, a[i]));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, amax8);
-        float amax = 0.0f;
-        for (float l : lanes) amax = std::max(amax, l);
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        __m256i q8[4];
+        const float amax = xlaserve::QuantizeGroup(xr + g * kGroup, finite, q8);
         int32_t q[kGroup];
-        for (int i = 0; i < 4; ++i)  // rounded to nearest, ties to even, as jnp.round
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i),
-                              _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv)));
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), q8[i]);
         int32_t sum = 0;
         for (int64_t k = 0; k < kGroup; ++k) sum += q[k];
         for (int64_t p = 0; p < kPairs; ++p) {
@@ -95,7 +83,7 @@ void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
           pairs[(g * kPairs + p) * n] = static_cast<int32_t>(
               static_cast<uint16_t>(q[k]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 2])) << 16));
         }
-        const float d = finite ? amax / 32767.0f : NAN;
+        const float d = xlaserve::GroupScale(amax, finite);
         dx[t0 * G + g * n + (r - t0)] = d;
         xsum[t0 * G + g * n + (r - t0)] = d * static_cast<float>(sum);
       }
@@ -107,7 +95,8 @@ void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K,
 // codes and scales kAhead groups on (into the next panel near a panel's end, which the same
 // thread usually takes next; a prefetch past the weights' end is dropped, never a fault).
 constexpr int64_t kAhead = 8;
-inline void Prefetch(const uint8_t* w, const uint16_t* dp, const uint16_t* mp) {
+template <typename S>
+inline void Prefetch(const uint8_t* w, const S* dp, const S* mp) {
   for (int i = 0; i < 4; ++i) _mm_prefetch((const char*)(w + kAhead * kPanelGroupBytes + 64 * i),
                                            _MM_HINT_T0);
   _mm_prefetch((const char*)(dp + kAhead * kNR), _MM_HINT_T0);
@@ -118,9 +107,9 @@ inline void Prefetch(const uint8_t* w, const uint16_t* dp, const uint16_t* mp) {
 // R rows against one panel. Each vpdpwssd waits for the one before it on the same sums, so
 // a tile of few rows keeps C sets of integer sums (one per operand of a load, or per pair of
 // them) and adds them at the end of the group.
-template <int R>
+template <int R, typename S>
 void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
-          const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y, int64_t N) {
+          const uint8_t* codes, const S* dp, const S* mp, float* y, int64_t N) {
   constexpr int C = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   const int64_t G = K / kGroup;
   const __m512i mask = _mm512_set1_epi32(0x000F000F);
@@ -150,8 +139,8 @@ void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
                                         _mm512_set1_epi32(xp[(4 * h + q) * R + r]));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + g * kNR)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + g * kNR)));
+    const __m512 d = xlaserve::LoadScales16(dp + g * kNR);
+    const __m512 m = xlaserve::LoadScales16(mp + g * kNR);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       __m512i t = s[0][r];
@@ -167,10 +156,10 @@ void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
 }
 #else
 // AVX2: 8 columns at a time, vpmaddwd on the same operands: the same integer sums.
-template <int R>
+template <int R, typename S>
 void HalfTile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
-              const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
-              int64_t N, int half) {
+              const uint8_t* codes, const S* dp, const S* mp, float* y, int64_t N,
+              int half) {
   const int64_t G = K / kGroup;
   const __m256i mask = _mm256_set1_epi32(0x000F000F);
   __m256 acc[R];
@@ -191,8 +180,8 @@ void HalfTile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
           s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
                                             op[q], _mm256_set1_epi32(xp[(4 * h + q) * R + r])));
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + g * kNR + half * 8)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + g * kNR + half * 8)));
+    const __m256 d = xlaserve::LoadScales8(dp + g * kNR + half * 8);
+    const __m256 m = xlaserve::LoadScales8(mp + g * kNR + half * 8);
     for (int r = 0; r < R; ++r) {
       const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[g * R + r]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), scale, acc[r]);
@@ -202,58 +191,39 @@ void HalfTile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + half * 8, acc[r]);
 }
 
-template <int R>
+template <int R, typename S>
 void Tile(const int32_t* xt, const float* dx, const float* xsum, int64_t K,
-          const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y, int64_t N) {
-  HalfTile<R>(xt, dx, xsum, K, codes, dp, mp, y, N, 0);
-  HalfTile<R>(xt, dx, xsum, K, codes, dp, mp, y, N, 1);
+          const uint8_t* codes, const S* dp, const S* mp, float* y, int64_t N) {
+  HalfTile<R, S>(xt, dx, xsum, K, codes, dp, mp, y, N, 0);
+  HalfTile<R, S>(xt, dx, xsum, K, codes, dp, mp, y, N, 1);
 }
 #endif
 
-template <int R>
+template <int R, typename S>
 void TileOf(int64_t rows, const int32_t* xt, const float* dx, const float* xsum, int64_t K,
-            const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
-            int64_t N) {
+            const uint8_t* codes, const S* dp, const S* mp, float* y, int64_t N) {
   if constexpr (R > 1) {
-    if (rows < R) return TileOf<R - 1>(rows, xt, dx, xsum, K, codes, dp, mp, y, N);
+    if (rows < R) return TileOf<R - 1, S>(rows, xt, dx, xsum, K, codes, dp, mp, y, N);
   }
-  Tile<R>(xt, dx, xsum, K, codes, dp, mp, y, N);
+  Tile<R, S>(xt, dx, xsum, K, codes, dp, mp, y, N);
 }
 
 // Rows [0, T) against one panel, in tiles of at most kMaxTile rows as even as can be.
+template <typename S>
 void Panel(int64_t T, const int32_t* xt, const float* dx, const float* xsum, int64_t K,
-           const uint8_t* codes, const uint16_t* dp, const uint16_t* mp, float* y,
-           int64_t N) {
+           const uint8_t* codes, const S* dp, const S* mp, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
-    TileOf<kMaxTile>(n, xt + r * (K / 2), dx + r * G, xsum + r * G, K, codes, dp, mp,
-                     y + r * N, N);
+    TileOf<kMaxTile, S>(n, xt + r * (K / 2), dx + r * G, xsum + r * G, K, codes, dp, mp,
+                        y + r * N, N);
   });
 }
 
-ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                    ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> m,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
-    return ffi::Error::InvalidArgument("q4_matmul: x must be [T, K] and y [T, N]");
-  const int64_t T = xd[0], K = xd[1], N = yd[1];
-  if (N % kNR != 0 || K % kGroup != 0 ||
-      codes.element_type() != ffi::DataType::U4 || static_cast<int64_t>(codes.element_count()) != K * N ||
-      static_cast<int64_t>(d.element_count()) != K / kGroup * N ||
-      static_cast<int64_t>(m.element_count()) != K / kGroup * N)
-    return ffi::Error::InvalidArgument(
-        "q4_matmul: K % 32 == 0, N % 16 == 0, K * N 4-bit codes in panels of 16 columns, "
-        "d and m K / 32 * N float16 values");
-  if (T == 0) return ffi::Error::Success();
+// x [T, K] (T > 0) through QuantizeRows, then the panels split over the pool's threads.
+template <typename S>
+void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
+         const uint8_t* cp, const S* dp, const S* mp, float* yp) {
   const int64_t G = K / kGroup;
-  const float* xp = x.typed_data();
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.untyped_data());
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.typed_data());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.typed_data());
-  float* yp = y->typed_data();
-
   // The calling thread's buffers, read by the pool's threads until this call returns.
   thread_local std::vector<int32_t> xt;
   thread_local std::vector<float> dx, xsum;
@@ -271,10 +241,35 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
 
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      Panel(T, xtp, dxp, xsp, K, cp + p * K * kNR / 2, dp + p * G * kNR, mp + p * G * kNR,
-            yp + p * kNR, N);
+      Panel<S>(T, xtp, dxp, xsp, K, cp + p * K * kNR / 2, dp + p * G * kNR, mp + p * G * kNR,
+               yp + p * kNR, N);
   }, /*grain=*/2);
-  return ffi::Error::Success();
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                    ffi::AnyBuffer d, ffi::AnyBuffer m, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("q4_matmul: x must be [T, K] and y [T, N]");
+  const int64_t T = xd[0], K = xd[1], N = yd[1];
+  constexpr const char* kShapes =
+      "q4_matmul: K % 32 == 0, N % 16 == 0, K * N 4-bit codes in panels of 16 columns, "
+      "d and m K / 32 * N values, both float16 or both float32";
+  if (N % kNR != 0 || K % kGroup != 0 || codes.element_type() != ffi::DataType::U4 ||
+      static_cast<int64_t>(codes.element_count()) != K * N ||
+      static_cast<int64_t>(d.element_count()) != K / kGroup * N ||
+      static_cast<int64_t>(m.element_count()) != K / kGroup * N ||
+      d.element_type() != m.element_type())
+    return ffi::Error::InvalidArgument(kShapes);
+  return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
+    using S = decltype(tag);
+    if (T > 0)
+      Run<S>(pool, x.typed_data(), T, K, N, static_cast<const uint8_t*>(codes.untyped_data()),
+             static_cast<const S*>(d.untyped_data()), static_cast<const S*>(m.untyped_data()),
+             y->typed_data());
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
@@ -284,6 +279,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q4_matmul, Q4Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,224 @@
+// y[T, N] = x[T, K] @ W[K, N] with W int8 in groups of 32 along k: for k in group g,
+// W[k][n] = d[g][n] * c[k][n], codes c in -128..127 and one scale d per group and column,
+// float16 or float32. This is GGUF's Q8_0 (whose codes stop at -127), so a Q8_0 checkpoint
+// runs on its own weights.
+//
+// Each row of x is rounded to int16 per group of 32, as q4_matmul.cc rounds it
+// (x ~ dx[r][g] * xq[r][k], |xq| <= 32767; group_quant.h), so a group's 32 products are one
+// exact integer sum s = sum_k xq[r][k] * c[k][n] (at most 32 * 128 * 32767 < 2^31), summed
+// by vpmaddwd on the codes widened to int16 in registers. Then, group by group in a fixed
+// order and with one rounding per FMA,
+//   y += float(s) * (d[g][n] * dx[r][g])
+// A row's result depends only on the row: not on the rows beside it, the tile or the
+// threads.
+//
+// W comes packed in panels of 16 columns with pairs of k side by side, as q8_matmul.cc
+// takes it: panel[p][k / 2][j][k % 2] = c[k][16p + j], so the 32 codes of a pair of k are
+// one contiguous load, and vpmaddwd multiplies them by a broadcast pair (xq[k], xq[k + 1]).
+// d is [panel][group][16]. Within a panel, tiles of up to 6 rows keep their integer sums in
+// registers for a group and add them into y (in memory, where they stay in L1) at its end.
+// There is no AVX-512 variant: on such a CPU the same AVX2 code runs.
+//
+// Functions templated on S take the scales' storage: uint16_t (float16 bits) or float.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "group_quant.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kNR = 16;  // columns per panel: two AVX2 registers of int32
+constexpr int64_t kGroup = xlaserve::kQuantGroup;  // values of k per scale
+constexpr int64_t kMaxTile = 6;  // rows per tile: 12 sums, 2 codes, 1 broadcast, 1 product
+
+// Rows [r0, r1) of x [T, K] rounded per group into the layout the tiles read: for the tile
+// of n rows starting at t0 (the tiles Panel cuts T into), xq as int32 pairs of int16 (the
+// lower k in the low half), pair-major (xt[t0 * K / 2 + (k / 2) * n + r - t0]), so a tile
+// reads its broadcasts at fixed offsets from one pointer, and dx at t0 * G + g * n + r - t0.
+// A row holding an inf or a NaN gets dx = NaN, so its outputs are NaN as a float product's
+// would be; a group of zeros gets dx = 0.
+void QuantizeRows(const float* x, int64_t r0, int64_t r1, int64_t T, int64_t K, int32_t* xt,
+                  float* dx) {
+  const int64_t G = K / kGroup;
+  xlaserve::EvenTiles(T, kMaxTile, [&](int64_t t0, int64_t n) {
+    for (int64_t r = std::max(r0, t0); r < std::min(r1, t0 + n); ++r) {
+      const float* xr = x + r * K;
+      const bool finite = xlaserve::RowFinite(xr, K);
+      int32_t* pairs = xt + t0 * (K / 2) + (r - t0);
+      for (int64_t g = 0; g < G; ++g) {
+        __m256i q[4];
+        const float amax = xlaserve::QuantizeGroup(xr + g * kGroup, finite, q);
+        int16_t q16[kGroup];  // in order of k: (k, k + 1) is the int32 of a pair
+        for (int i = 0; i < 2; ++i) {  // packs works within 128-bit lanes: put them in order
+          const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]),
+                                                     0xD8);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16 * i), p);
+        }
+        for (int64_t i = 0; i < kGroup / 2; ++i)
+          std::memcpy(pairs + (g * kGroup / 2 + i) * n, q16 + 2 * i, sizeof(int32_t));
+        dx[t0 * G + g * n + (r - t0)] = xlaserve::GroupScale(amax, finite);
+      }
+    }
+  });
+}
+
+// The 32 codes of one pair of k, widened to int16: columns 0-7 and 8-15, each (k, k + 1)
+// adjacent.
+inline void LoadPair(const int8_t* pair, __m256i& w0, __m256i& w1) {
+  w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+  w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
+}
+
+// a0 += pairwise products of the pair *x broadcast and w0 summed, a1 likewise with w1.
+// Written out as q8_matmul.cc writes it, broadcast included: GCC, left to itself, sends
+// every sum through a spare register, or loads the next row's broadcast early, and at 6
+// rows (12 sums, 2 codes, a broadcast and a product: all 16 registers) spills sums.
+inline void MaddAdd(const int32_t* x, __m256i w0, __m256i w1, __m256i& a0, __m256i& a1) {
+  __m256i b, t;
+  __asm__("vpbroadcastd %[x], %[b]\n\t"
+          "vpmaddwd %[w0], %[b], %[t]\n\t"
+          "vpaddd %[t], %[a0], %[a0]\n\t"
+          "vpmaddwd %[w1], %[b], %[t]\n\t"
+          "vpaddd %[t], %[a1], %[a1]"
+          : [a0] "+x"(a0), [a1] "+x"(a1), [b] "=&x"(b), [t] "=&x"(t)
+          : [x] "m"(*x), [w0] "x"(w0), [w1] "x"(w1));
+}
+
+// One row's 16 group sums into y: y = float(s) * (d * dx) + y, the first group onto 0.
+// Always one FMA, so the rounding is the same in every tile, whatever GCC would contract.
+inline void Emit(float* y, __m256i s0, __m256i s1, float dx, __m256 d0, __m256 d1,
+                 bool first) {
+  const __m256 b = _mm256_set1_ps(dx);
+  const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+  const __m256 y1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + 8);
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, b), y0));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, b), y1));
+}
+
+// A decode step's few rows leave the loads too little arithmetic to hide behind: ask for
+// the codes and scales kAhead groups (4 KiB of codes) on, into the next panel near a
+// panel's end, which the same thread usually takes next; a prefetch past the weights' end
+// is dropped, never a fault. On the demo's head (576 x 49152) at 1 to 6 rows this measured
+// about 1.5x faster; at 16 rows, where later tiles find the panel in cache, no slower.
+constexpr int64_t kAhead = 8;
+template <typename S>
+inline void Prefetch(const int8_t* w, const S* dp) {
+  for (int i = 0; i < kGroup * kNR; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kGroup * kNR + i), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(dp + kAhead * kNR), _MM_HINT_T0);
+}
+
+// R <= 6 quantized rows (a tile of QuantizeRows' layout) against one panel -> R x 16 of y.
+// The sums are named variables: GCC spills an array of this many to the stack.
+template <int R, typename S>
+void Tile(const int32_t* xt, const float* dx, int64_t K, const int8_t* panel, const S* dp,
+          float* y, int64_t N) {
+  static_assert(R >= 1 && R <= kMaxTile);
+  const int64_t G = K / kGroup;
+  const __m256i z = _mm256_setzero_si256();
+#define XLASERVE_ROW(r) \
+  if constexpr (R > r) MaddAdd(xp + r, w0, w1, a##r##0, a##r##1);
+#define XLASERVE_EMIT(r) \
+  if constexpr (R > r) Emit(y + r * N, a##r##0, a##r##1, dx[g * R + r], d0, d1, g == 0);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z,
+            a41 = z, a50 = z, a51 = z;
+    const int8_t* w = panel + g * kGroup * kNR;
+    const int32_t* xp = xt + g * (kGroup / 2) * R;
+    Prefetch(w, dp + g * kNR);
+    for (int i = 0; i < kGroup / 2; ++i, w += 2 * kNR, xp += R) {
+      __m256i w0, w1;
+      LoadPair(w, w0, w1);
+      XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
+      XLASERVE_ROW(5)
+    }
+    const __m256 d0 = xlaserve::LoadScales8(dp + g * kNR);
+    const __m256 d1 = xlaserve::LoadScales8(dp + g * kNR + 8);
+    XLASERVE_EMIT(0) XLASERVE_EMIT(1) XLASERVE_EMIT(2) XLASERVE_EMIT(3) XLASERVE_EMIT(4)
+    XLASERVE_EMIT(5)
+  }
+#undef XLASERVE_ROW
+#undef XLASERVE_EMIT
+}
+
+template <int R, typename S>
+void TileOf(int64_t rows, const int32_t* xt, const float* dx, int64_t K, const int8_t* panel,
+            const S* dp, float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return TileOf<R - 1, S>(rows, xt, dx, K, panel, dp, y, N);
+  }
+  Tile<R, S>(xt, dx, K, panel, dp, y, N);
+}
+
+// Rows [0, T) against one panel, in tiles of at most kMaxTile rows as even as can be.
+template <typename S>
+void Panel(int64_t T, const int32_t* xt, const float* dx, int64_t K, const int8_t* panel,
+           const S* dp, float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
+    TileOf<kMaxTile, S>(n, xt + r * (K / 2), dx + r * G, K, panel, dp, y + r * N, N);
+  });
+}
+
+// x [T, K] (T > 0) through QuantizeRows, then the panels split over the pool's threads.
+template <typename S>
+void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
+         const int8_t* cp, const S* dp, float* yp) {
+  const int64_t G = K / kGroup;
+  // The calling thread's buffers, read by the pool's threads until this call returns.
+  thread_local std::vector<int32_t> xt;
+  thread_local std::vector<float> dx;
+  if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
+  if (dx.size() < static_cast<size_t>(T * G)) dx.resize(T * G);
+  int32_t* xtp = xt.data();
+  float* dxp = dx.data();
+  xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
+    QuantizeRows(xp, r0, r1, T, K, xtp, dxp);
+  }, /*grain=*/std::max<int64_t>(1, 8192 / K));
+
+  xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      Panel<S>(T, xtp, dxp, K, cp + p * K * kNR, dp + p * G * kNR, yp + p * kNR, N);
+  }, /*grain=*/2);
+}
+
+ffi::Error Q80Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                     ffi::AnyBuffer d, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("q8_0_matmul: x must be [T, K] and y [T, N]");
+  const int64_t T = xd[0], K = xd[1], N = yd[1];
+  constexpr const char* kShapes =
+      "q8_0_matmul: K % 32 == 0, N % 16 == 0, K * N int8 codes in panels of 16 columns, "
+      "d K / 32 * N float16 or float32 values";
+  if (N % kNR != 0 || K % kGroup != 0 || static_cast<int64_t>(codes.element_count()) != K * N ||
+      static_cast<int64_t>(d.element_count()) != K / kGroup * N)
+    return ffi::Error::InvalidArgument(kShapes);
+  return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
+    using S = decltype(tag);
+    if (T > 0)
+      Run<S>(pool, x.typed_data(), T, K, N, codes.typed_data(),
+             static_cast<const S*>(d.untyped_data()), y->typed_data());
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_0_matmul, Q80Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
