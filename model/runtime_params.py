@@ -7,23 +7,27 @@ one kernel per HF projection. Run: `prepare_params` gives
   weights at 8 GB/s that way, against 29 GB/s from separate buffers;
 - q/k/v joined into `qkv_proj` and gate/up into `gate_up_proj`: one matmul where there were
   three or two (30 layers of SmolLM2 at one token: 21.1 ms -> 16.5 ms on 2 CPU cores).
-  Weights quantized per tensor keep their own scales, so they stay apart.
-- on CPUs, int8 weights (per output channel) and int4 ones packed for our kernels
-  (quant/packed.py), and
-  an int8 tied embedding table packed again as `lm_head`: XLA:CPU widens int8 weights in
-  memory before a dot, the kernel in registers. Float weights (and a float tied table, as
+  Weights quantized per tensor join with per-channel scales for the CPU kernels, and fp8
+  ones elsewhere with one scale, the largest, as vLLM joins them.
+- on CPUs, int8 weights (per output channel or in groups) and int4 ones packed for our
+  kernels (quant/packed.py), and an int8 tied embedding table (per row or in groups) packed
+  again as `lm_head`: XLA:CPU widens int8 weights in memory before a dot, the kernel in
+  registers. Float weights (and a float tied table, as
   `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch.
 
 `forward` accepts either form (it prepares a stored tree itself, slowly, inside the program).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from quant import packed
-from quant.array import QuantArray
+from quant.array import QuantArray, cast_scaled, dequantize
 from quant.int4 import Int4Array, concat_int4, is_quantized
+from quant.int8_groups import Int8GroupArray, concat_int8_groups
 
 JOINED = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
           "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
@@ -55,8 +59,8 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
         if free_stacked and isinstance(stacked, jax.Array):
             stacked.delete()
         del stacked
-    per_layer = tuple(_join_projections(jax.tree.unflatten(treedef, [s[j] for s in sliced]))
-                      for j in range(num_layers))
+    per_layer = tuple(_join_projections(jax.tree.unflatten(treedef, [s[j] for s in sliced]),
+                                        exact=pack) for j in range(num_layers))
     del sliced
     params = {**params, "layers": per_layer}
     return _pack(params) if pack else params
@@ -70,6 +74,8 @@ def _pack(params):
             return packed.pack(a)
         if packed.int4_packable(a):
             return packed.pack_int4(a)
+        if packed.int8_groups_packable(a):
+            return packed.pack_int8_groups(a)
         if not (path and getattr(path[-1], "key", None) == "kernel"):
             return a
         if packed.dense_packable(a):
@@ -77,7 +83,8 @@ def _pack(params):
         return packed.pack_codes(a) if packed.codes_packable(a) else a
     params = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
     if "lm_head" not in params:
-        head = packed.pack_head(params["embed"])
+        head = (packed.pack_head(params["embed"])
+                or packed.pack_int8_groups_head(params["embed"]))
         if head is None:
             head = packed.pack_dense_head(params["embed"])
         if head is not None:
@@ -85,14 +92,18 @@ def _pack(params):
     return params
 
 
-def _join_projections(layer: dict) -> dict:
+def _join_projections(layer: dict, exact: bool) -> dict:
+    """q/k/v and gate/up joined. Weights quantized per tensor, each with its own scale, join
+    with per-channel scales (exact) where `exact`, the CPU kernels' way; elsewhere fp8 ones
+    are quantized again to the largest of their scales, as vLLM joins them, so the joined
+    weight keeps the one scale XLA's fp8 GEMM needs."""
     layer = dict(layer)
     for module, (joined, parts) in JOINED.items():
         sub = dict(layer[module])
         kernels = [sub[p]["kernel"] for p in parts]
         if not _joinable(kernels):
             continue
-        entry = {"kernel": _concat(kernels)}
+        entry = {"kernel": _concat(kernels, exact)}
         if "bias" in sub[parts[0]]:
             entry["bias"] = jnp.concatenate([sub[p]["bias"] for p in parts], axis=-1)
         for p in parts:
@@ -103,18 +114,41 @@ def _join_projections(layer: dict) -> dict:
 
 
 def _joinable(kernels) -> bool:
-    if any(isinstance(k, Int4Array) for k in kernels):
-        return all(isinstance(k, Int4Array) for k in kernels)
+    for grouped in (Int4Array, Int8GroupArray):
+        if any(isinstance(k, grouped) for k in kernels):
+            return all(isinstance(k, grouped) for k in kernels)
     if all(not isinstance(k, QuantArray) for k in kernels):
         return len({k.dtype for k in kernels}) == 1
-    return (all(isinstance(k, QuantArray) and not k.per_tensor for k in kernels)
+    return (all(isinstance(k, QuantArray) for k in kernels)
             and len({k.values.dtype for k in kernels}) == 1)
 
 
-def _concat(kernels):
-    if isinstance(kernels[0], Int4Array):
-        return concat_int4(kernels)
+def _concat_quant(kernels: list[QuantArray], exact: bool) -> QuantArray:
+    """QuantArrays joined along the output axis with per-channel scales, or, for fp8 ones
+    all per tensor where not `exact`, their codes quantized again to the largest scale
+    (vLLM's requantize_with_max_scale)."""
+    fp8 = jnp.dtype(kernels[0].values.dtype) == jnp.float8_e4m3fn
+    if fp8 and not exact and all(k.per_tensor for k in kernels):
+        top = jnp.max(jnp.stack([k.scale.reshape(()) for k in kernels])).reshape(1, 1)
+        return QuantArray(jnp.concatenate([cast_scaled(dequantize(k), top, k.values.dtype)
+                                           for k in kernels], axis=-1), top)
+    return QuantArray(
+        jnp.concatenate([k.values for k in kernels], axis=-1),
+        jnp.concatenate([jnp.broadcast_to(k.scale, (1, k.shape[-1])) for k in kernels], -1))
+
+
+def _widened(k):
+    """A group weight's scale (and offset) as float32, where float16 ones are exact."""
+    fields = {f: getattr(k, f).astype(jnp.float32) for f in ("scale", "zero") if hasattr(k, f)}
+    return dataclasses.replace(k, **fields)
+
+
+def _concat(kernels, exact: bool):
+    if isinstance(kernels[0], (Int4Array, Int8GroupArray)):
+        if len({k.scale.dtype for k in kernels}) > 1:
+            kernels = [_widened(k) for k in kernels]
+        join = concat_int4 if isinstance(kernels[0], Int4Array) else concat_int8_groups
+        return join(kernels)
     if isinstance(kernels[0], QuantArray):
-        return QuantArray(jnp.concatenate([k.values for k in kernels], axis=-1),
-                          jnp.concatenate([k.scale for k in kernels], axis=-1))
+        return _concat_quant(kernels, exact)
     return jnp.concatenate(kernels, axis=-1)

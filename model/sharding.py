@@ -14,6 +14,7 @@ a step program runs inside `shard_map` and takes block `[0]` of every leaf (`loc
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import jax
@@ -26,6 +27,7 @@ from model.layers import embed
 from model.runtime_params import prepare_params
 from quant.array import QuantArray
 from quant.int4 import GROUP, Int4Array, is_quantized
+from quant.int8_groups import Int8GroupArray
 
 AXIS = "model"
 # KV cache [L, pages, page_size, K, D] (scales [L, pages, page_size, K]): by KV head.
@@ -97,25 +99,31 @@ def _take(a, axis: int, start: int, stop: int):
 
 def _cut(leaf, axis: int, start: int, stop: int):
     """One block of a plain or quantized leaf; a scale shared along `axis` stays whole."""
-    if isinstance(leaf, Int4Array):
-        return _cut_int4(leaf, axis, start, stop)
+    if isinstance(leaf, (Int4Array, Int8GroupArray)):
+        return _cut_grouped(leaf, axis, start, stop)
     if not isinstance(leaf, QuantArray):
         return _take(leaf, axis, start, stop)
     scale = leaf.scale if leaf.scale.shape[axis] == 1 else _take(leaf.scale, axis, start, stop)
     return QuantArray(_take(leaf.values, axis, start, stop), scale)
 
 
-def _cut_int4(leaf: Int4Array, axis: int, start: int, stop: int) -> Int4Array:
-    """Columns cut all three arrays alike; rows cut the codes, and the groups they fill."""
-    if axis % leaf.ndim == leaf.ndim - 1:
-        return Int4Array(*(_take(a, axis, start, stop)
-                           for a in (leaf.values, leaf.scale, leaf.zero)))
+def _cut_grouped(leaf, axis: int, start: int, stop: int):
+    """A weight in groups of 32 (int4, 8-bit groups): along the grouped axis the codes and
+    the groups they fill, in whole groups only; along the other axis every array alike."""
+    fields = [f.name for f in dataclasses.fields(leaf)]
+    axis = axis % leaf.ndim
+    grouped_axis = leaf.ndim - 2 if leaf.scale.shape[-1] == leaf.values.shape[-1] \
+        else leaf.ndim - 1
+    if axis != grouped_axis:
+        return type(leaf)(*(_take(getattr(leaf, f), axis, start, stop) for f in fields))
     if start % GROUP or stop % GROUP:
-        raise ValueError(f"int4 weights split between devices in whole groups of {GROUP} "
-                         f"inputs; this split gives a device inputs {start} to {stop}")
+        raise ValueError("The input size is not aligned with the quantized weight shape. This "
+                         "can be caused by too large tensor parallel size. (weights quantized "
+                         f"in groups of {GROUP} inputs split between devices in whole groups; "
+                         f"this split gives a device inputs {start} to {stop})")
     groups = (start // GROUP, stop // GROUP)
-    return Int4Array(_take(leaf.values, axis, start, stop), _take(leaf.scale, axis, *groups),
-                     _take(leaf.zero, axis, *groups))
+    return type(leaf)(_take(leaf.values, axis, start, stop),
+                      *(_take(getattr(leaf, f), axis, *groups) for f in fields[1:]))
 
 
 def _ranges(cfg: ModelConfig, n: int, shard: int) -> dict:

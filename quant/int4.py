@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.q4_matmul_cpu import GROUP  # values of the input axis per scale and zero
 from quant.array import QuantArray, ValuesShaped
+from quant.int8_groups import Int8GroupArray
 
 LEVELS = 15  # codes 0..15
 
@@ -40,7 +41,8 @@ class Int4Array(ValuesShaped):
         return dequantize_int4(self, dtype)
 
 
-QUANTIZED = (QuantArray, Int4Array)  # every quantized weight form: leaves of a tree walk
+# every quantized weight form: leaves of a tree walk
+QUANTIZED = (QuantArray, Int4Array, Int8GroupArray)
 
 
 def is_quantized(a) -> bool:

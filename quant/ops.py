@@ -8,6 +8,8 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
   other weight, fp8 included (weight-only, scales after the sum), by dense_matmul.
 - int4 in groups (quant/int4.py): packed on CPUs for q4_matmul (activations rounded to
   int16 per group of 32 there); elsewhere dequantized into the dot, weight-only.
+- int8 in groups (quant/int8_groups.py, GGUF's Q8_0): packed on CPUs for q8_0_matmul (the
+  same int16 activations per group); elsewhere dequantized into the dot, weight-only.
 - fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
   scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
   the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from quant import packed
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
 from quant.int4 import Int4Array, is_quantized, matmul_int4
+from quant.int8_groups import Int8GroupArray, matmul_int8_groups, take_rows
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -35,8 +38,12 @@ def matmul(x, w):
         return packed.dense_matmul(x, w)
     if isinstance(w, packed.PackedQ4):
         return packed.q4_matmul(x, w)
+    if isinstance(w, packed.PackedQ80):
+        return packed.q8_0_matmul(x, w)
     if isinstance(w, Int4Array):
         return matmul_int4(x, w)
+    if isinstance(w, Int8GroupArray):
+        return matmul_int8_groups(x, w)
     if not isinstance(w, QuantArray):
         return x @ w.astype(x.dtype)
     if w.scale.shape[-2] != 1 or w.ndim != 2:
@@ -55,6 +62,8 @@ def matmul_t(x, w):
     Written as a dot over w's last axis rather than `matmul(x, w.T)`: XLA:CPU copies a
     transposed operand before its dot, which for SmolLM2's table is 113 MiB on every step."""
     dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if isinstance(w, Int8GroupArray):
+        return jax.lax.dot_general(x, w.dequantize(x.dtype), dims)
     if not isinstance(w, QuantArray):
         return jax.lax.dot_general(x, w.astype(x.dtype), dims)
     if w.ndim != 2 or w.scale.shape[-1] != 1:
@@ -80,7 +89,10 @@ def fp8_matmul(x, w: QuantArray):
 
 
 def take(table, ids, dtype):
-    """Rows `ids` of an embedding table [V, H] (an array or a QuantArray) -> [len(ids), H]."""
+    """Rows `ids` of an embedding table [V, H] (an array, a QuantArray or an
+    Int8GroupArray) -> [len(ids), H]."""
+    if isinstance(table, Int8GroupArray):
+        return take_rows(table, ids, dtype)
     if not isinstance(table, QuantArray):
         return table[ids].astype(dtype)
     scale = table.scale if table.scale.shape[0] == 1 else table.scale[ids]
@@ -88,6 +100,7 @@ def take(table, ids, dtype):
 
 
 def dequantize_tree(params, dtype=jnp.float32):
-    """Every QuantArray and Int4Array in a tree replaced by its dequantized array."""
+    """Every quantized weight (QuantArray, Int4Array, Int8GroupArray) in a tree replaced by
+    its dequantized array."""
     return jax.tree.map(lambda a: a.dequantize(dtype) if is_quantized(a) else a,
                         params, is_leaf=is_quantized)

@@ -4,7 +4,8 @@ PackedDense, for pallas_kernels/dense_matmul_cpu.py (rows independent of their b
 float32 / bfloat16 / float16 weight, or the 8-bit codes and scales of any other QuantArray
 (fp8; int8 in shapes the q8 kernel does not take), computed weight-only.
 
-PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py.
+PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py, and PackedQ80,
+an 8-bit group weight (quant/int8_groups.py, GGUF's Q8_0) for pallas_kernels/q8_0_matmul_cpu.py.
 
 Made once at load; `quant.ops.matmul` sends them to their kernels. Checkpoints never hold
 them: they are run-time forms, like the joined projections of model/runtime_params.py.
@@ -16,10 +17,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ffi, dense_matmul_cpu, q4_matmul_cpu
+from pallas_kernels import cpu_ffi, dense_matmul_cpu, q4_matmul_cpu, q8_0_matmul_cpu
 from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul
 from quant.array import QuantArray
 from quant.int4 import Int4Array
+from quant.int8_groups import Int8GroupArray
 
 
 @jax.tree_util.register_dataclass
@@ -147,3 +149,40 @@ def pack_int4(w: Int4Array) -> PackedQ4:
 def q4_matmul(x, w: PackedQ4):
     """x: [..., in] @ w -> [..., out] in x's dtype."""
     return q4_matmul_cpu.q4_matmul(x, w.codes, w.scale, w.zero)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PackedQ80:
+    codes: jax.Array  # int8[in, out], in the kernel's byte order (see q8_0_matmul_cpu)
+    scale: jax.Array  # float16 | float32 [out // 16, in // 32, 16]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+
+def int8_groups_packable(w) -> bool:
+    """A concrete kernel [in, out] Int8GroupArray in whole panels, with the kernel built."""
+    if not (isinstance(w, Int8GroupArray) and w.ndim == 2 and w.group_axis == -2
+            and not isinstance(w.values, jax.core.Tracer)):
+        return False
+    return (w.shape[1] % q8_0_matmul_cpu.PANEL == 0
+            and jax.default_backend() == "cpu" and cpu_ffi.available("q8_0_matmul"))
+
+
+def pack_int8_groups(w: Int8GroupArray) -> PackedQ80:
+    return PackedQ80(*q8_0_matmul_cpu.pack_panels(w.values, w.scale))
+
+
+def pack_int8_groups_head(table) -> PackedQ80 | None:
+    """The tied head [hidden, vocab] from an Int8GroupArray table [vocab, hidden], or None."""
+    if not (isinstance(table, Int8GroupArray) and table.ndim == 2 and table.group_axis == -1):
+        return None
+    head = table.T
+    return pack_int8_groups(head) if int8_groups_packable(head) else None
+
+
+def q8_0_matmul(x, w: PackedQ80):
+    """x: [..., in] @ w -> [..., out] in x's dtype."""
+    return q8_0_matmul_cpu.q8_0_matmul(x, w.codes, w.scale)

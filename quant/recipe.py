@@ -170,11 +170,13 @@ def describe(params) -> str:
     import jax
 
     from quant.int4 import Int4Array, is_quantized
+    from quant.int8_groups import Int8GroupArray
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
     quantized = [a for a in leaves if is_quantized(a)]
     if not quantized:
         return "not quantized"
-    schemes = sorted({f"{a.scheme} per " + ("group of 32" if isinstance(a, Int4Array) else
+    grouped = (Int4Array, Int8GroupArray)
+    schemes = sorted({f"{a.scheme} per " + ("group of 32" if isinstance(a, grouped) else
                                             "tensor" if a.per_tensor else "channel")
                       for a in quantized})
     return f"{' + '.join(schemes)}, {len(quantized)} of {len(leaves)} tensors"

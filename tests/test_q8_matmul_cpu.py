@@ -141,8 +141,8 @@ def test_weights_the_kernel_cannot_take_go_to_the_dense_kernel_as_codes(spec):
              if isinstance(a, PackedDense)]
     int8 = spec.startswith("int8")
     assert len(packed_leaves(run)) == (4 * cfg.num_layers if int8 else 0)
-    per_layer = 7 if spec.startswith("fp8:lm") else 4  # per-tensor scales are not joined
-    assert len(dense) == (1 if int8 else per_layer * cfg.num_layers + 1)  # + the tied head
+    # q/k/v and gate/up joined (per-tensor scales become per-channel ones): 4 per layer
+    assert len(dense) == (1 if int8 else 4 * cfg.num_layers + 1)  # + the tied head
     assert all(d.scale is not None and d.panels.dtype.itemsize == 1 for d in dense)
     assert isinstance(run["lm_head"]["kernel"], PackedDense)
     assert isinstance(run["embed"], QuantArray)  # the lookup keeps the table as it is

@@ -322,3 +322,25 @@ def test_hlo_classification_of_cublas_choices():
     assert "__triton" not in cublas
     assert classify(cublas) == "cublas + separate convert"
     assert classify('custom_call_target="__cublas$lt$matmul$f8"') == "cublasLt fp8"
+
+
+def test_per_tensor_projections_join_exactly_for_cpu_kernels_and_at_the_max_scale_elsewhere():
+    """q/k/v quantized per tensor, each with its own scale: joined with per-channel scales
+    (the same weights) where the CPU kernels run, and as vLLM joins them elsewhere: the codes
+    dequantized and cast again to fp8 at the largest scale, so XLA's fp8 GEMM keeps one."""
+    from model.runtime_params import _join_projections
+    rng = np.random.default_rng(7)
+    parts = {p: quantize(rng.normal(0, s, (32, n)).astype(np.float32), FP8, (-2, -1))
+             for p, s, n in (("q_proj", 0.5, 32), ("k_proj", 0.05, 16), ("v_proj", 3.0, 16))}
+    layer = {"attn": {p: {"kernel": q} for p, q in parts.items()}, "mlp": {
+        p: {"kernel": jnp.ones((32, 8))} for p in ("gate_proj", "up_proj")}}
+    want = np.concatenate([np.asarray(dequantize(q)) for q in parts.values()], axis=-1)
+    exact = _join_projections(layer, exact=True)["attn"]["qkv_proj"]["kernel"]
+    assert exact.scale.shape == (1, 64)
+    np.testing.assert_array_equal(np.asarray(dequantize(exact)), want)
+    one = _join_projections(layer, exact=False)["attn"]["qkv_proj"]["kernel"]
+    assert one.per_tensor
+    top = max(float(q.scale.reshape(())) for q in parts.values())
+    assert float(one.scale.reshape(())) == top
+    again = np.clip(want / np.float32(top), -448, 448).astype(FP8)  # vLLM's scaled_fp8_quant
+    np.testing.assert_array_equal(np.asarray(one.values).view(np.uint8), again.view(np.uint8))

@@ -1,0 +1,91 @@
+"""Int8GroupArray: 8-bit codes with one scale per group of 32 along the axis a weight is
+summed over, GGUF's Q8_0 form (and the grouped 8-bit checkpoints mapped onto it).
+
+A kernel [in, out] groups its inputs; an embedding table [V, H] groups H, the inputs of the
+tied head it also is:
+
+    kernel: W[k, n] = scale[k // 32, n] * values[k, n]      scale [..., in // 32, out]
+    table:  E[v, h] = scale[v, h // 32] * values[v, h]      scale [..., V, H // 32]
+
+The scale's shape says which (`group_axis`): one axis of it is 32 times shorter than the
+values', the other the same. Scales are float16 (Q8_0's own) or float32 where a format's
+scale is not exact in float16. `.T` turns a table into its head kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from quant.array import ValuesShaped
+
+GROUP = 32  # values per scale along the summed axis
+QMAX = 127
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Int8GroupArray(ValuesShaped):
+    values: jax.Array  # int8 [..., A, B]
+    scale: jax.Array  # float16 | float32: [..., A // 32, B] (kernel) or [..., A, B // 32] (table)
+
+    @property
+    def scheme(self) -> str:
+        return "int8"
+
+    @property
+    def group_axis(self) -> int:
+        """-2 for a kernel (groups of inputs), -1 for a table (groups of a row)."""
+        return -2 if self.scale.shape[-1] == self.values.shape[-1] else -1
+
+    @property
+    def T(self) -> "Int8GroupArray":
+        """The last two axes swapped: a table [V, H] becomes the head kernel [H, V]."""
+        return Int8GroupArray(self.values.swapaxes(-1, -2), self.scale.swapaxes(-1, -2))
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return dequantize_int8_groups(self, dtype)
+
+
+def expand_scale(scale, axis: int):
+    """A group scale repeated over its 32 values along `axis`."""
+    return jnp.repeat(scale, GROUP, axis=axis)
+
+
+def dequantize_int8_groups(q: Int8GroupArray, dtype=jnp.float32) -> jax.Array:
+    s = expand_scale(q.scale.astype(jnp.float32), q.group_axis)
+    return (q.values.astype(jnp.float32) * s).astype(dtype)
+
+
+def quantize_int8_groups(x) -> Int8GroupArray:
+    """float[..., in, out] -> a kernel in Q8_0's form: per group, scale = amax / 127 rounded to
+    float16 first and the codes chosen for the rounded scale (as llama.cpp quantizes)."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    *lead, k, n = x.shape
+    if k % GROUP:
+        raise ValueError(f"8-bit group weights need inputs in whole groups of {GROUP}; got {k}")
+    g = x.reshape(*lead, k // GROUP, GROUP, n)
+    scale = (jnp.max(jnp.abs(g), axis=-2) / QMAX).astype(jnp.float16)
+    s32 = scale.astype(jnp.float32)[..., None, :]
+    codes = jnp.round(jnp.where(s32 > 0, g / jnp.where(s32 > 0, s32, 1.0), 0.0))
+    codes = jnp.clip(codes, -QMAX, QMAX).astype(jnp.int8).reshape(x.shape)
+    return Int8GroupArray(codes, scale)
+
+
+def matmul_int8_groups(x, w: Int8GroupArray):
+    """x: [..., in] @ a kernel [in, out] -> [..., out] in x's dtype, weight-only (the
+    reference form, and where no kernel takes it)."""
+    return jnp.matmul(x, dequantize_int8_groups(w, x.dtype))
+
+
+def take_rows(table: Int8GroupArray, ids, dtype):
+    """Rows `ids` of a table [V, H] -> [len(ids), H]."""
+    rows = Int8GroupArray(table.values[ids], table.scale[ids])
+    return dequantize_int8_groups(rows, dtype)
+
+
+def concat_int8_groups(arrays: list[Int8GroupArray]) -> Int8GroupArray:
+    """Kernels joined along the output axis (q/k/v, gate/up)."""
+    return Int8GroupArray(jnp.concatenate([a.values for a in arrays], axis=-1),
+                          jnp.concatenate([a.scale for a in arrays], axis=-1))
