@@ -151,7 +151,8 @@ def _model(args) -> str | None:
 
 
 def _engine_config(args) -> EngineConfig:
-    kwargs = dict(model=_model(args), tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+    kwargs = dict(model=_model(args), tokenizer=args.tokenizer, dtype=args.dtype,
+                  load_format=args.load_format,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,

@@ -67,6 +67,9 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     expected = {}
     for hf_name, tensor in model.state_dict().items():
@@ -89,6 +92,25 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     writer.write_tensors_to_file()
     writer.close()
     return path, expected
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs for Llama 3's
+    rope scaling."""
+    theta, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 def permute_for_llama_cpp_inverse(w: np.ndarray, heads: int) -> np.ndarray:

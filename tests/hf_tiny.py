@@ -38,3 +38,14 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
                     p.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     return model
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation, EOS an ordinary token (as `ignore_eos` makes it for
+    us): `generate(min_new_tokens=...)` would forbid EOS instead."""
+    import torch
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

@@ -5,7 +5,9 @@ own file, and clear errors for damaged files."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -18,11 +20,13 @@ from model.formats.gguf_tensors import tensor_form, unpermute_order
 from model.formats.param_tree import dequantize_np
 from model.hf_weights import _target
 from quant.int4 import Int4Array
+from quant.int8_groups import Int8GroupArray
 from serving import LLM, SamplingParams
 from tests.gguf_tiny import permute_for_llama_cpp, write_gguf
-from tests.hf_tiny import tiny_hf_model
+from tests.hf_tiny import greedy_reference, tiny_hf_model
 
-SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16)
+SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+             initializer_range=0.1)  # 0.02 leaves tokens blind to a misread tensor
 OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
                token_buckets=(4, 16), request_buckets=(4,), page_buckets=(16,), progress=False)
 # Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), dequantized ones
@@ -32,6 +36,10 @@ MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "ffn_do
          "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
                    "token_embd": T.Q4_1},
          "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0}}
+# a context short enough that some of head_dim 16's frequencies are scaled in between
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
 
 
@@ -50,6 +58,8 @@ def tiny_gguf(request, tmp_path_factory, gguf_cache):
     if family == "qwen2":  # its tiny config has 3 KV heads
         overrides.pop("head_dim")
         overrides["num_key_value_heads"] = 2
+    if family == "llama":  # Llama 3's rope scaling, written as llama.cpp's rope_freqs
+        overrides["rope_parameters"] = LLAMA3_ROPE
     model = tiny_hf_model(family, out / "hf", seed=5, **overrides)
     path, expected = write_gguf(model, family, out / f"{family}.gguf", MIXES[family])
     return family, model, path, expected
@@ -65,8 +75,11 @@ def test_block_types_read_as_the_format_dequantizes_them(kind):
     want = np.asarray(dequantize(data, kind), np.float32).reshape(48, 256).T
     np.testing.assert_array_equal(dequantize_np(value), want)
     assert isinstance(value, Int4Array) == (kind in (T.Q4_0, T.Q4_1))
+    assert isinstance(value, Int8GroupArray) == (kind == T.Q8_0)
     if isinstance(value, Int4Array):
         assert value.scale.dtype == np.float16 and value.values.max() <= 15
+    if isinstance(value, Int8GroupArray):  # a kernel [in, out], a float16 scale per 32 inputs
+        assert value.scale.shape == (256 // 32, 48) and value.scale.dtype == np.float16
 
 
 def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -114,9 +127,8 @@ def test_weights_equal_the_files_dequantization(tiny_gguf):
 
 
 def _host(leaf):
-    if isinstance(leaf, Int4Array):
-        return Int4Array(*(np.asarray(getattr(leaf, f)) for f in ("values", "scale", "zero")))
-    return np.asarray(leaf)
+    """A leaf of any form with numpy arrays in it."""
+    return jax.tree.map(np.asarray, leaf)
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(tiny_gguf):
@@ -125,11 +137,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(tiny_gguf):
     llm = LLM(str(path), **OPTIONS)
     ours = [r.token_ids for r in llm.generate(PROMPTS, SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))]
-    with torch.no_grad():
-        for prompt, got in zip(PROMPTS, ours):
-            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                                 min_new_tokens=12, pad_token_id=0)
-            assert got == out[0, len(prompt):].tolist()
+    assert ours == [greedy_reference(model, prompt, 12) for prompt in PROMPTS]
 
 
 def test_folder_made_once_with_config_and_pointer(tiny_gguf, tmp_path):
@@ -177,3 +185,33 @@ def test_unknown_architecture_is_refused(tmp_path):
     writer.close()
     with pytest.raises(GGUFError, match="architecture 'mamba' is not served"):
         gguf_folder(path, cache=tmp_path)
+
+
+# -- the demo's own file -----------------------------------------------------------------------
+
+def test_the_demos_own_gguf_answers_as_the_demo(demo_model_dir):
+    """SmolLM2's Q4_1 file served as it is (layers on their own codes, the Q8_0 table as the
+    tied head's weight) answers the questions token for token as the demo folder (the same
+    file dequantized at conversion) does with int4 layers and as converted."""
+    from model.demo import demo_gguf_path
+    questions = json.loads((Path(__file__).parent / "data" / "answer_questions.json")
+                           .read_text())[:6]
+    gguf = _chat_answers(demo_gguf_path(), questions)
+    assert gguf == _chat_answers(demo_model_dir, questions, quantize="int4")
+    assert gguf == _chat_answers(demo_model_dir, questions, quantize="none",
+                                 kv_cache_dtype="float32")
+    cfg, params = load_model(gguf_folder(demo_gguf_path()))
+    assert isinstance(params["embed"], Int8GroupArray)  # the file's Q8_0 table
+    assert isinstance(params["layers"]["mlp"]["down_proj"]["kernel"], Int4Array)
+
+
+def _chat_answers(model, questions: list[str], **options) -> list[list[int]]:
+    llm = LLM(str(model), progress=False, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, token_buckets=(8, 64), request_buckets=(8,),
+              page_buckets=(16,), **options)
+    tok = llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
+                                                  tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False) for q in questions]
+    return [r.token_ids for r in llm.generate(prompts, SamplingParams(temperature=0,
+                                                                      max_tokens=24))]

@@ -69,6 +69,16 @@ def load_prequantized(folder: Path, cfg: ModelConfig, qc: dict) -> tuple[dict, l
     return load_quantized_folder(folder, cfg, reader, describe)
 
 
+def _is_recipe(spec: str) -> bool:
+    """Whether --quantize names a recipe to quantize with at load ("fp8" is both)."""
+    from quant.recipe import Recipe
+    try:
+        Recipe.parse(spec)
+    except ValueError:
+        return False
+    return True
+
+
 def load_folder(folder: Path, cfg: ModelConfig, quantize: str | None) -> dict | None:
     """A pre-quantized folder's (or a GGUF's) numpy parameter tree, its forms logged; None
     for a float Hugging Face folder, which model/hf_weights.py reads."""
@@ -78,6 +88,10 @@ def load_folder(folder: Path, cfg: ModelConfig, quantize: str | None) -> dict | 
     else:
         qc = quantization_config(folder)
         if qc is None:
+            if quantize in PREQUANTIZED_METHODS and not _is_recipe(quantize):
+                raise FormatError(f"--quantize {quantize} names a checkpoint format, but "
+                                  f"{folder} holds no quantization_config: leave it out, or "
+                                  "name a recipe (int8, int4, fp8) to quantize as it loads")
             return None
         check_requested(qc, quantize, folder)
         params, log = load_prequantized(folder, cfg, qc)

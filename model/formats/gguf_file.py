@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from model.config import ModelConfig
-from model.formats.gguf_tensors import (KERNEL_TYPES, embedding, permute_rows, tensor_form,
+from model.formats.gguf_tensors import (FLOAT_TYPES, embedding, permute_rows, tensor_form,
                                         unpermute_order)
 from model.formats.param_tree import ParamFiller, form
 from model.hf_weights import WeightsError
 
 POINTER = "gguf.json"
-_VERSION = 1
+_VERSION = 2
 _SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -96,15 +96,13 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))  # 1e-5 is stored as 9.99999975e-06
 
 
-def hf_config(meta: dict, tensors: dict) -> dict:
-    """The config.json a GGUF's metadata stands for (tensors: name -> (type, shape))."""
+def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -> dict:
+    """The config.json a GGUF's metadata stands for (tensors: name -> (type, shape);
+    rope_freqs: the file's rope_freqs tensor, if it has one)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not served; supported: "
                         + ", ".join(ARCHITECTURES))
-    if "rope_freqs.weight" in tensors:
-        raise GGUFError("this GGUF scales RoPE by a rope_freqs tensor (Llama 3.1 style), "
-                        "which is not read from GGUF files yet; serve the Hugging Face folder")
     key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -115,6 +113,12 @@ def hf_config(meta: dict, tensors: dict) -> dict:
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     else:
         scaling = None
+    head_dim = key("attention.key_length", key("rope.dimension_count", hidden // heads))
+    theta = _f32(key("rope.freq_base", 10000.0))
+    if rope_freqs is not None:
+        if scaling is not None:
+            raise GGUFError("this GGUF has both a rope_freqs tensor and rope.scaling.type")
+        scaling = llama3_scaling(np.asarray(rope_freqs, np.float32), theta, head_dim)
     tied = "output.weight" not in tensors
     config = {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
@@ -122,16 +126,44 @@ def hf_config(meta: dict, tensors: dict) -> dict:
         "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", key("rope.dimension_count", hidden // heads)),
+        "head_dim": head_dim,
         "hidden_act": "silu", "max_position_embeddings": key("context_length", 2048),
         "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _f32(key("rope.freq_base", 10000.0)), "rope_scaling": scaling,
+        "rope_theta": theta, "rope_scaling": scaling,
         "attention_bias": False, "tie_word_embeddings": tied,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": _dtype(tensors),
     }
     return config
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """Llama 3's rope_scaling from the per-frequency divisors llama.cpp's converter writes
+    (rope_freqs): 1 for short wavelengths, `factor` for long ones, and between them
+    1 / ((1 - s) / factor + s) with s linear in 1 / wavelength. Of (low_freq_factor,
+    high_freq_factor, original_max_position_embeddings) only two ratios show in the
+    divisors; low_freq_factor is taken as 1, as every Llama 3 has it."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(factors.max())
+    if factor == 1.0 and (factors == 1.0).all():
+        return None
+    medium = (factors > 1.0) & (factors < factor)
+    if medium.sum() < 2:
+        raise GGUFError("the rope_freqs tensor has too few frequencies between its two "
+                        "plateaus to recover Llama 3's rope scaling from")
+    smooth = (1.0 / factors[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, offset = np.polyfit(inv[medium] / (2 * np.pi), smooth, 1)  # s = A / wavelen + B
+    high = round(1.0 - 1.0 / offset, 4)
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": float(high),
+               "original_max_position_embeddings": float(round(-slope / offset))}
+    wavelen = 2 * np.pi / inv
+    old = scaling["original_max_position_embeddings"]
+    s = np.clip((old / wavelen - 1.0) / (high - 1.0), 0.0, 1.0)
+    if not np.allclose(1.0 / ((1 - s) / factor + s), factors, rtol=1e-4):
+        raise GGUFError("the rope_freqs tensor is not Llama 3's rope scaling; it is not served")
+    return scaling
 
 
 def _dtype(tensors: dict) -> str:
@@ -214,7 +246,9 @@ def gguf_folder(path: str | Path, tokenizer: str | Path | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write_json(tmp / "config.json", hf_config(meta, tensors))
+        freqs = next((t.data for r in readers for t in r.tensors
+                      if t.name == "rope_freqs.weight"), None)
+        _write_json(tmp / "config.json", hf_config(meta, tensors, freqs))
         _write_json(tmp / "generation_config.json", _generation_config(meta))
         if tok_dir is not None:
             from model.checkpoint import SIDE_FILES
@@ -256,6 +290,8 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
     kinds: dict[str, set[str]] = {}
     for reader in readers:
         for t in reader.tensors:
+            if t.name == "rope_freqs.weight":  # read into config.json's rope_scaling
+                continue
             target = _target(t.name)
             if target is None:
                 raise GGUFError(f"unexpected tensor {t.name!r} in {Path(reader.path).name}")
@@ -271,9 +307,10 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
             if permuted and kind in heads:
                 value = permute_rows(value, unpermute_order(value.shape[-1], heads[kind]))
             filler.set(path, layer, value, t.name)
-            label = f"{t.tensor_type.name} -> {form(value)}" + (
-                "" if t.tensor_type in KERNEL_TYPES and path != ("embed",) or len(shape) == 1
-                else " (dequantized at load)")
+            dequantized = t.tensor_type not in FLOAT_TYPES and isinstance(value, np.ndarray)
+            label = (f"{t.tensor_type.name} -> "
+                     + (filler.describe(value) if path[-1] == "kernel" else form(value))
+                     + (" (dequantized at load)" if dequantized else ""))
             kinds.setdefault(path[-2] if path[-1] in ("kernel", "bias") else path[-1]
                              if path[0] != "embed" else "embed", set()).add(label)
     params = filler.finish()

@@ -8,10 +8,12 @@ blocks along the inputs. The blocks we map exactly:
 - Q4_K (super-blocks of 256: float16 d and dmin, eight 6-bit scales and mins, nibbles):
   W = (d * sc) * q - dmin * mn per sub-block of 32, an Int4Array with float32 scales and
   offsets (products of a float16 and a 6-bit integer, exact in float32), float16 where exact.
+- Q8_0 (float16 d, 32 int8 codes): W = d * q, our `Int8GroupArray` as is; an embedding
+  table in Q8_0 stays in it too (its rows are looked up, and it is the tied head's weight).
 - F32 / F16 / BF16: float.
 
-Every other type (Q8_0, Q5_*, Q6_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by
-the `gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
+Every other type (Q5_*, Q6_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by the
+`gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
 Nibble order in a 32-value block: value j < 16 in the low nibble of byte j, value j + 16 in
 its high nibble. Q4_K's 64-value chunks hold sub-block 2c in the low nibbles and 2c + 1 in
 the high ones.
@@ -22,10 +24,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from model.formats.int_groups import f16_if_exact
 from quant.int4 import Int4Array
+from quant.int8_groups import Int8GroupArray
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)  # mapped onto our int4 kernel
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0)  # on our int4 and 8-bit group forms
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -74,9 +78,11 @@ def _q4_k(data: np.ndarray, rows: int, cols: int):
     return codes, scale, offset
 
 
-def _f16_if_exact(a: np.ndarray) -> np.ndarray:
-    h = a.astype(np.float16)
-    return h if np.array_equal(h.astype(np.float32), a) else a
+def _q8_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q8_0 rows -> Int8GroupArray [rows, cols] with groups along the row (a table's form)."""
+    blocks = data.reshape(rows, cols // 32, 34)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+    return Int8GroupArray(codes, _f16(blocks[..., 0:2]))
 
 
 def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
@@ -87,9 +93,11 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
         w = np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
         return w.T if w.ndim == 2 else w
     cols, rows = shape  # cols inputs per row, one row per output
+    if kind == T.Q8_0:
+        return _q8_0(data, rows, cols).T  # [in, out], groups of inputs
     if kind == T.Q4_K:
         codes, scale, offset = _q4_k(data, rows, cols)
-        scale, offset = _f16_if_exact(scale), _f16_if_exact(offset)
+        scale, offset = f16_if_exact(scale), f16_if_exact(offset)
         if scale.dtype != offset.dtype:
             scale, offset = scale.astype(np.float32), offset.astype(np.float32)
     else:
@@ -98,9 +106,11 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
     return Int4Array(codes.T.astype(np.uint8), scale.T, offset.T)
 
 
-def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
-    """token_embd as our table [vocab, hidden], float32: lookups take float or per-row int8
-    tables, so every GGUF type is read exactly into float32."""
+def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]):
+    """token_embd as our table [vocab, hidden]: Q8_0 on its codes (an Int8GroupArray), every
+    other type read exactly into float32."""
+    if kind == T.Q8_0:
+        return _q8_0(data, shape[1], shape[0])
     return np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
 
 
@@ -109,6 +119,8 @@ def permute_rows(value, perm: np.ndarray):
     a kernel [in, out] or a bias [out]."""
     if isinstance(value, Int4Array):
         return Int4Array(value.values[:, perm], value.scale[:, perm], value.zero[:, perm])
+    if isinstance(value, Int8GroupArray):
+        return Int8GroupArray(value.values[:, perm], value.scale[:, perm])
     return value[..., perm]
 
 

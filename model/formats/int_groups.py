@@ -9,8 +9,9 @@ and we serve that as
 - an `Int4Array` (quant/int4.py) when the codes are 4-bit and every aligned run of 32 rows
   shares one group: its scale is the group's and its offset `-scale * zero`, float16 where
   both are exact in float16, else float32 (the q4 kernel reads either);
-- an int8 `QuantArray` per output channel when the codes are 8-bit, one group spans the
-  whole input axis and the zero point is the middle code (128): values `code - 128`;
+- 8-bit codes whose zero point is the middle code (128), as values `code - 128`: an int8
+  `QuantArray` per output channel when one group spans the whole input axis, else an
+  `Int8GroupArray` (quant/int8_groups.py) when every aligned run of 32 rows shares a group;
 - else float32, dequantized at load (the log's form names say so).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from quant.array import QuantArray
 from quant.int4 import Int4Array
+from quant.int8_groups import Int8GroupArray
 
 GROUP = 32  # rows per Int4Array scale
 
@@ -46,31 +48,51 @@ def dequantize_groups(codes, scale, zero, g_idx=None) -> np.ndarray:
     return s * (codes.astype(np.float32) - z)
 
 
-def _f16_if_exact(a: np.ndarray) -> np.ndarray:
+def f16_if_exact(a: np.ndarray) -> np.ndarray:
+    """float32 values as float16 where every one of them is exact in it, else as they are."""
+    a = np.asarray(a)
     h = a.astype(np.float16)
     return h if np.array_equal(h.astype(np.float32), a, equal_nan=True) else a
+
+
+def _aligned_groups(g: np.ndarray) -> np.ndarray | None:
+    """Each run of 32 input rows' group when every such run lies in one group, else None."""
+    k = g.shape[0]
+    if k % GROUP:
+        return None
+    blocks = g.reshape(k // GROUP, GROUP)
+    return blocks[:, 0] if (blocks == blocks[:, :1]).all() else None
+
+
+def _short_mantissas(scale: np.ndarray) -> bool:
+    """Whether every scale has at most 20 significant bits (every float16 or bfloat16 one
+    does): then scale * code and scale * zero (4-bit integers) are exact in float32, and so
+    is their difference, scale * (code - zero)."""
+    return bool((np.ascontiguousarray(scale, np.float32).view(np.uint32) & 0xF == 0).all())
 
 
 def to_our_form(codes, scale, zero, bits: int, g_idx=None):
     """codes: unsigned integers [in, out] (0 .. 2**bits - 1); scale: float [G, out]; zero:
     the zero point per group [G, out] (integers or floats, in code units) -> Int4Array,
-    QuantArray or float32 array standing for the same weight, bit for bit."""
+    QuantArray, Int8GroupArray or float32 array standing for the same weight, bit for bit."""
     codes = np.asarray(codes)
-    k, n = codes.shape
     scale32 = np.asarray(scale, np.float32)
     zero32 = np.broadcast_to(np.asarray(zero, np.float32), scale32.shape)
     if not np.array_equal(zero32, np.round(zero32)):
         raise ValueError("zero points are whole codes in these formats")
-    g = row_groups(k, scale32.shape[0], g_idx)
-    if bits == 4 and k % GROUP == 0:
-        blocks = g.reshape(k // GROUP, GROUP)
-        if (blocks == blocks[:, :1]).all():
-            s = scale32[blocks[:, 0]]
-            m = -s * zero32[blocks[:, 0]]  # exact: a float16 scale times a small integer
-            s, m = _f16_if_exact(s), _f16_if_exact(m)
-            if s.dtype != m.dtype:
-                s, m = s.astype(np.float32), m.astype(np.float32)
-            return Int4Array(codes.astype(np.uint8), s, m)
-    if (bits == 8 and scale32.shape[0] == 1 and (zero32 == 128).all()):
-        return QuantArray((codes.astype(np.int16) - 128).astype(np.int8), scale32)
+    g = row_groups(codes.shape[0], scale32.shape[0], g_idx)
+    runs = _aligned_groups(g)
+    if bits == 4 and runs is not None and _short_mantissas(scale32):
+        s = scale32[runs]
+        m = -s * zero32[runs]  # exact, as is scale * code + m (see _short_mantissas)
+        s, m = f16_if_exact(s), f16_if_exact(m)
+        if s.dtype != m.dtype:
+            s, m = s.astype(np.float32), m.astype(np.float32)
+        return Int4Array(codes.astype(np.uint8), s, m)
+    if bits == 8 and (zero32 == 128).all():
+        signed = (codes.astype(np.int16) - 128).astype(np.int8)
+        if scale32.shape[0] == 1:
+            return QuantArray(signed, scale32)
+        if runs is not None:
+            return Int8GroupArray(signed, f16_if_exact(scale32[runs]))
     return dequantize_groups(codes, scale32, zero32, g_idx)

@@ -1,13 +1,15 @@
 """Filling the model's parameter tree one tensor at a time, for loaders of other formats.
 
 A loader hands each weight over already in our orientation (kernels [in, out]) and in one of
-our forms: a float numpy array, a `QuantArray` or an `Int4Array` of numpy arrays. Layers are
+our forms: a float numpy array, a `QuantArray`, an `Int4Array` or an `Int8GroupArray` of
+numpy arrays. Layers are
 stacked on a leading axis, so every layer of one leaf must end up in one form: where a file
 mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K), `finish` dequantizes the
 leaf's quantized layers exactly into float32 and says so in `notes`.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import jax
@@ -17,7 +19,8 @@ from model.config import ModelConfig
 from model.hf_weights import WeightsError, np_dtype
 from model.transformer import abstract_params
 from quant.array import QuantArray
-from quant.int4 import Int4Array
+from quant.int4 import QUANTIZED, Int4Array
+from quant.int8_groups import Int8GroupArray
 
 Path = tuple[str, ...]
 
@@ -26,16 +29,41 @@ def form(value) -> str:
     """A value's form, for the log: 'float32', 'int8 per channel', 'int4 (float16 scales)'."""
     if isinstance(value, Int4Array):
         return f"int4 ({np.dtype(value.scale.dtype).name} scales)"
+    if isinstance(value, Int8GroupArray):
+        return f"int8 per group of 32 ({np.dtype(value.scale.dtype).name} scales)"
     if isinstance(value, QuantArray):
         scheme = "int8" if np.dtype(value.values.dtype) == np.int8 else "fp8"
         return f"{scheme} per {'tensor' if value.scale.shape[-2:] == (1, 1) else 'channel'}"
     return np.dtype(value.dtype).name
 
 
+def kernel(value) -> str:
+    """The kernel that runs a weight of this form on this backend, for the log."""
+    cpu = jax.default_backend() == "cpu"
+    if isinstance(value, Int4Array):
+        return "q4_matmul" if cpu else "XLA dot, dequantized in the program"
+    if isinstance(value, Int8GroupArray):
+        return "q8_0_matmul" if cpu else "XLA dot, dequantized in the program"
+    if isinstance(value, QuantArray):
+        per_tensor = value.scale.shape[-2:] == (1, 1)
+        if np.dtype(value.values.dtype) == np.int8 and not per_tensor:
+            return "q8_matmul" if cpu else "XLA dot (int8 weight-only)"
+        if cpu:
+            return "dense_matmul (weight-only)"
+        return "XLA fp8 dot (cuBLASLt on sm89+)" if per_tensor else "XLA dot (weight-only)"
+    return "dense_matmul" if cpu else "XLA dot"
+
+
+def _parts(value) -> list:
+    """A value's arrays: a quantized form's fields in order, or the array itself."""
+    if isinstance(value, QUANTIZED):
+        return [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return [value]
+
+
 def _signature(value):
-    parts = (value.values, value.scale) if isinstance(value, QuantArray) else \
-        (value.values, value.scale, value.zero) if isinstance(value, Int4Array) else (value,)
-    return (type(value).__name__,) + tuple((a.shape, np.dtype(a.dtype).name) for a in parts)
+    return (type(value).__name__,) + tuple((a.shape, np.dtype(a.dtype).name)
+                                           for a in _parts(value))
 
 
 def dequantize_np(value) -> np.ndarray:
@@ -47,6 +75,11 @@ def dequantize_np(value) -> np.ndarray:
         w = (codes * value.scale.astype(np.float32)[..., None, :]
              + value.zero.astype(np.float32)[..., None, :])
         return w.reshape(*lead, k, n)
+    if isinstance(value, Int8GroupArray):
+        axis = -2 if value.scale.shape[-1] == value.values.shape[-1] else -1
+        return value.values.astype(np.float32) * np.repeat(
+            value.scale.astype(np.float32), value.values.shape[axis] // value.scale.shape[axis],
+            axis=axis)
     if isinstance(value, QuantArray):
         return value.values.astype(np.float32) * value.scale.astype(np.float32)
     return np.asarray(value, np.float32)
@@ -63,7 +96,8 @@ class ParamFiller:
         self.layers: dict[Path, dict[int, object]] = {}
         self.notes: list[str] = []  # what the log should say about forms and fallbacks
 
-    def _declared(self, path: Path) -> tuple[int, ...]:
+    def declared(self, path: Path) -> tuple[int, ...]:
+        """The shape the model declares at `path` (layers stacked on a leading axis)."""
         node = self.abstract
         try:
             for p in path:
@@ -78,17 +112,16 @@ class ParamFiller:
         (without the layer axis); name: the tensor's name in the file, for errors."""
         if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
             return  # a tied checkpoint may still store the (identical) head
-        declared = self._declared(path)
+        declared = self.declared(path)
         want = declared[1:] if path[0] == "layers" else declared
         if path[0] == "layers" and (layer is None or not 0 <= layer < declared[0]):
             raise WeightsError(f"tensor {name!r}: layer {layer} but the config has "
                                f"{declared[0]} layers")
-        shape = tuple(value.values.shape if isinstance(value, (QuantArray, Int4Array))
-                      else value.shape)
+        shape = tuple(value.values.shape if isinstance(value, QUANTIZED) else value.shape)
         if shape != want:
             raise WeightsError(f"tensor {name!r} has shape {shape} where the model wants "
                                f"{want} (as [in, out] for a kernel)")
-        if not isinstance(value, (QuantArray, Int4Array)):
+        if not isinstance(value, QUANTIZED):
             value = np.asarray(value)
         if path[0] == "layers":
             self.layers.setdefault(path, {})[layer] = value
@@ -118,8 +151,14 @@ class ParamFiller:
                                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         return params
 
+    def describe(self, value) -> str:
+        """A kernel's form as stored (a float array in the model's dtype) and the kernel that
+        runs it, for the start-up log."""
+        stored = np.dtype(self.dtype).name if isinstance(value, np.ndarray) else form(value)
+        return f"{stored} on {kernel(value)}"
+
     def _float_or_keep(self, value):
-        if isinstance(value, (QuantArray, Int4Array)):
+        if isinstance(value, QUANTIZED):
             return value
         return value.astype(self.dtype)
 
@@ -127,17 +166,14 @@ class ParamFiller:
         kinds = Counter(_signature(v) for v in values)
         if len(kinds) == 1:
             first = values[0]
-            if isinstance(first, QuantArray):
-                return QuantArray(np.stack([v.values for v in values]),
-                                  np.stack([v.scale for v in values]))
-            if isinstance(first, Int4Array):
-                return Int4Array(*(np.stack([getattr(v, f) for v in values])
-                                   for f in ("values", "scale", "zero")))
+            if isinstance(first, QUANTIZED):
+                return type(first)(*(np.stack(parts)
+                                     for parts in zip(*(_parts(v) for v in values))))
             return np.stack(values).astype(self.dtype)
         forms = Counter(form(v) for v in values)
         self.notes.append(f"{'/'.join(path[1:])}: layers mix {dict(forms)}; all dequantized "
-                          "to float32 (one form per stacked weight)")
-        return np.stack([dequantize_np(v) for v in values])
+                          f"to {np.dtype(self.dtype).name} (one form per stacked weight)")
+        return np.stack([dequantize_np(v) for v in values]).astype(self.dtype)
 
 
 def _flatten(tree, prefix: Path = ()):
