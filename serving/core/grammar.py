@@ -130,9 +130,13 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *,
                  max_cached: int = MAX_CACHED_GRAMMARS, timeout_s: float = COMPILE_TIMEOUT_S):
         self.vocab_size, self.width = vocab_size, bitmask_width(vocab_size)
-        self.eos_token_ids = sorted(eos_token_ids)
+        self.eos_token_ids = sorted(t for t in eos_token_ids if t < vocab_size)
+        # llguidance reads the whole tokenizer, which may know more ids than the model can
+        # emit (an embedding with fewer rows): its masks are that wide, and cut to ours.
+        ll_vocab = max(vocab_size, len(tokenizer))
+        self.ll_width = bitmask_width(ll_vocab)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, vocab_size, eos_token=self.eos_token_ids or None, slices=SLICES)
+            tokenizer, ll_vocab, eos_token=self.eos_token_ids or None, slices=SLICES)
         self.max_cached, self.timeout_s = max_cached, timeout_s
         self._cache: OrderedDict[tuple, CompiledGrammar | GrammarRefused] = OrderedDict()
         self._lock = threading.Lock()
@@ -175,7 +179,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
                                        limits=llguidance.LLParserLimits(**_LIMITS))
         if not matcher.is_error():  # the first mask builds the lexer: errors show there too
-            lnp.fill_next_token_bitmask(matcher, np.zeros((1, self.width), np.int32))
+            lnp.fill_next_token_bitmask(matcher, np.zeros((1, self.ll_width), np.int32))
         seconds = time.perf_counter() - started
         param = _param(so.kind)
         if matcher.is_error():
@@ -214,11 +218,11 @@ class GrammarCompiler:
         threads."""
         if not matchers:
             return
-        masks = np.empty((len(matchers), self.width), np.int32)
+        masks = np.empty((len(matchers), self.ll_width), np.int32)
         lnp.fill_next_token_bitmask_par(self.executor,
                                         [(m.matcher, i) for i, m in enumerate(matchers)], masks)
         for i, m in enumerate(matchers):
-            m.set_bitmask(masks[i])
+            m.set_bitmask(masks[i, :self.width].copy())
 
 
 def _first_line(message: str) -> str:

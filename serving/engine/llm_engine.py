@@ -27,7 +27,8 @@ from serving.engine import demo_defaults, memory_plan, mesh, multiprocess, sizin
 from serving.core.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
-from serving.engine.model_files import eos_token_ids, load_tokenizer, load_weights, model_key
+from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weights, model_key,
+                                        request_vocab_size)
 from serving.core import grammar as structured
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
 from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
@@ -104,9 +105,7 @@ class LLMEngine:
         self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
                          if self.task == "embed" else None)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
-        # Ids a request may use: embedding rows the tokenizer knows (padded rows are not).
-        self.vocab_size = min(self.cfg.vocab_size, len(self.tokenizer)) if self.tokenizer \
-            else self.cfg.vocab_size
+        self.vocab_size = request_vocab_size(self.cfg.vocab_size, self.tokenizer)
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)

@@ -3,6 +3,7 @@ its tokenizer, its EOS ids, and the key that names the weights in prefix-cache p
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from model.checkpoint import load_model
@@ -10,6 +11,8 @@ from model.config import ModelConfig
 from model.transformer import init_params
 from quant.recipe import quantize_params
 from serving.core.config import EngineConfig
+
+log = logging.getLogger("xlaserve")
 
 
 def model_key(model_dir: Path, ec: EngineConfig) -> str:
@@ -54,3 +57,17 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def request_vocab_size(embedded: int, tokenizer) -> int:
+    """Ids a request may use and the model may emit: embedding rows the tokenizer knows.
+    Padded rows (a table larger than the tokenizer) are never sampled; a tokenizer that
+    knows more ids than the table has rows works too, its extra ids never generated."""
+    if tokenizer is None:
+        return embedded
+    known = len(tokenizer)
+    if known > embedded:
+        log.warning("the tokenizer knows %d token ids but the model embeds %d: ids %d and up "
+                    "are never generated, and a prompt holding one is refused", known, embedded,
+                    embedded)
+    return min(embedded, known)
