@@ -1,7 +1,8 @@
 """The weights as a step program wants them, made once at load from the stored tree.
 
-Stored (checkpoints, conversion, quantization): one tree, layers stacked on a leading axis,
-one kernel per HF projection. Run: `prepare_params` gives
+Stored (checkpoints, conversion, quantization): one tree, layers stacked on a leading axis
+(or a list of per-layer trees, where a loaded file's layers differ in form), one kernel per
+HF projection. Run: `prepare_params` gives
 - one tree per layer, each leaf its own buffer. Slicing a layer out of a stacked array inside
   the program copies it on every step: a CPU decode step read SmolLM2's 513 MiB of float32
   weights at 8 GB/s that way, against 29 GB/s from separate buffers;
@@ -50,6 +51,16 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
     if pack is None:
         pack = packed.kernels_available() and packed.dense_kernel_available()
     layers = params["layers"]
+    if not isinstance(layers, list):
+        layers = _unstacked(layers, free_stacked)
+    per_layer = tuple(_join_projections(layer, exact=pack) for layer in layers)
+    del layers
+    params = {**params, "layers": per_layer}
+    return _pack(params) if pack else params
+
+
+def _unstacked(layers: dict, free_stacked: bool) -> list[dict]:
+    """Layer-stacked weights -> one tree per layer, each leaf a buffer of its own."""
     leaves, treedef = jax.tree.flatten(layers)
     num_layers = leaves[0].shape[0]
     sliced = []  # per leaf: its layers
@@ -59,11 +70,7 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
         if free_stacked and isinstance(stacked, jax.Array):
             stacked.delete()
         del stacked
-    per_layer = tuple(_join_projections(jax.tree.unflatten(treedef, [s[j] for s in sliced]),
-                                        exact=pack) for j in range(num_layers))
-    del sliced
-    params = {**params, "layers": per_layer}
-    return _pack(params) if pack else params
+    return [jax.tree.unflatten(treedef, [s[j] for s in sliced]) for j in range(num_layers)]
 
 
 def _pack(params):

@@ -16,6 +16,12 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
+# Llama 3's rope scaling with a context short enough that some of head_dim 16's frequencies
+# are scaled in between (written as llama.cpp's rope_freqs, read back from them)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
 # HF name after "model.layers.N." -> GGUF name after "blk.N."
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -48,8 +54,8 @@ def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(model, arch: str, path: Path, types: dict[str, T],
                default: T = T.F32) -> tuple[Path, dict[str, np.ndarray]]:
-    """types: GGUF tensor kind ("ffn_down", "token_embd", ...) -> its type; matrices of
-    other kinds get `default`, vectors F32."""
+    """types: GGUF tensor kind ("ffn_down", "token_embd", ...) or one layer's tensor
+    ("blk.1.ffn_down") -> its type; matrices of other kinds get `default`, vectors F32."""
     cfg = model.config
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -80,7 +86,8 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
         w = tensor.detach().float().numpy()
         if arch == "llama" and kind in heads:
             w = permute_for_llama_cpp(w, heads[kind])
-        kind_type = types.get(kind, default) if w.ndim == 2 else T.F32
+        kind_type = (types.get(name.rsplit(".", 1)[0], types.get(kind, default))
+                     if w.ndim == 2 else T.F32)
         data = quantize(w, kind_type) if kind_type not in (T.F32,) else w
         writer.add_tensor(name, data, raw_dtype=kind_type)
         back = np.asarray(dequantize(data, kind_type), np.float32).reshape(w.shape)

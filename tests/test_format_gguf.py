@@ -22,7 +22,7 @@ from model.hf_weights import _target
 from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 from serving import LLM, SamplingParams
-from tests.gguf_tiny import permute_for_llama_cpp, write_gguf
+from tests.gguf_tiny import LLAMA3_ROPE, permute_for_llama_cpp, write_gguf
 from tests.hf_tiny import greedy_reference, tiny_hf_model
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
@@ -31,15 +31,13 @@ OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page
                token_buckets=(4, 16), request_buckets=(4,), page_buckets=(16,), progress=False)
 # Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), dequantized ones
 # (Q8_0, F16) and float32.
+# llama's ffn_down differs between layers, as a Q4_K_M file's does.
 MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "ffn_down": T.Q4_0,
-                   "ffn_gate": T.Q4_1, "ffn_up": T.F16, "output": T.Q8_0, "token_embd": T.Q8_0},
+                   "blk.1.ffn_down": T.Q5_0, "ffn_gate": T.Q4_1, "ffn_up": T.F16,
+                   "output": T.Q8_0, "token_embd": T.Q8_0},
          "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
                    "token_embd": T.Q4_1},
          "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0}}
-# a context short enough that some of head_dim 16's frequencies are scaled in between
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
 PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
 
 
@@ -109,21 +107,32 @@ def test_unpermute_undoes_llama_cpp_rotary_order():
 def test_weights_equal_the_files_dequantization(tiny_gguf):
     family, model, path, expected = tiny_gguf
     cfg, params = load_model(gguf_folder(path))
+    per_layer = isinstance(params["layers"], list)  # where a weight's layers differ in form
+    assert per_layer == (family == "llama")
     for hf_name, want in expected.items():
         tpath, layer, transpose = _target(hf_name, cfg)
-        leaf = params
-        for p in tpath:
-            leaf = leaf[p]
-        got = dequantize_np(_host(leaf))
-        got = got[layer] if layer is not None else got
+        got = dequantize_np(_host(_leaf(params, tpath, layer)))
+        got = got[layer] if layer is not None and not per_layer else got
         np.testing.assert_array_equal(got, want.T if transpose else want, err_msg=hf_name)
-    # the int4 kernel's types stay on their codes
+    # the int4 kernel's types stay on their codes (layer 0's)
     mix = MIXES[family]
-    for kind, (module, proj) in {"attn_q": ("attn", "q_proj"), "ffn_down": ("mlp", "down_proj"),
-                                 "attn_k": ("attn", "k_proj")}.items():
+    for kind, path in {"attn_q": ("attn", "q_proj"), "ffn_down": ("mlp", "down_proj"),
+                       "attn_k": ("attn", "k_proj")}.items():
         if kind in mix:
-            kernel = params["layers"][module][proj]["kernel"]
+            kernel = _leaf(params, ("layers", *path, "kernel"), 0)
             assert isinstance(kernel, Int4Array) == (mix[kind] in (T.Q4_0, T.Q4_1)), kind
+    if per_layer:  # layer 1's ffn_down is Q5_0, which no kernel takes
+        assert isinstance(_leaf(params, ("layers", "mlp", "down_proj", "kernel"), 1),
+                          jax.Array)
+
+
+def _leaf(params, path, layer):
+    """params at path; a layer's own tree where the layers are a list."""
+    if path[0] == "layers" and isinstance(params["layers"], list):
+        params, path = params["layers"][layer], path[1:]
+    for p in path:
+        params = params[p]
+    return params
 
 
 def _host(leaf):

@@ -1,6 +1,7 @@
 """Tensor parallelism (docs/architecture.md, "Tensor parallelism") on simulated CPU devices:
 every family gives TP=1's tokens and logprobs at TP=N (KV heads fewer than N, biases on
-row-parallel layers, a padded vocabulary, quantized weights (int8, fp8, int4) and KV cache, the pallas kernel
+row-parallel layers, a padded vocabulary, quantized weights (int8, fp8, int4, a GGUF file's
+own forms) and KV cache, the pallas kernel
 in interpret mode, the demo model at TP=3); sizes that do not split a model are refused
 before any weight loads.
 
@@ -16,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from model.config import ModelConfig
 from model.sharding import TensorParallelError, valid_sizes
 from serving import LLM
 from serving.cli import main
 from tests.demo_engine import demo_llm
+from tests.gguf_tiny import LLAMA3_ROPE, write_gguf
 from tests.hf_tiny import tiny_hf_model
 from tests.tp_child import MAX_TOKENS, PROMPTS, requests
 
@@ -43,8 +46,13 @@ def models(tmp_path_factory):
         tiny_hf_model(family, made[family], seed=1, **SHAPES, **extra)
     # int4 splits row-parallel inputs in whole groups of 32: 128 / 2 for o_proj and down_proj
     made["llama-int4"] = root / "llama-int4"
-    tiny_hf_model("llama", made["llama-int4"], seed=1,
-                  **{**SHAPES, "intermediate_size": 128, "head_dim": 16})
+    model = tiny_hf_model("llama", made["llama-int4"], seed=1, rope_parameters=LLAMA3_ROPE,
+                          **{**SHAPES, "intermediate_size": 128, "head_dim": 16})
+    # its GGUF: 4- and 8-bit groups, a Q8_0 table and head, one layer's ffn_down in a form
+    # of its own (Q5_0, dequantized at load)
+    made["llama-gguf"], _ = write_gguf(model, "llama", root / "llama.gguf", {
+        "attn_q": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_down": Q.Q4_0,
+        "blk.1.ffn_down": Q.Q5_0, "token_embd": Q.Q8_0, "output": Q.Q8_0})
     return made
 
 
@@ -63,6 +71,8 @@ def cases(models, demo_checkpoint) -> dict:
                                   kv_heads=1),
         "llama-int4": dict(model=str(models["llama-int4"]), sizes=[1, 2],
                            options=dict(cpu, quantize="int4:lm_head"), kv_heads=1),
+        "llama-gguf": dict(model=str(models["llama-gguf"]), sizes=[1, 2], options=cpu,
+                           kv_heads=1),
         # 9 heads, 3 KV heads; TP=1 is the session's shared demo engine (tests/demo_engine.py,
         # its checkpoint as converted), which other modules reuse.
         "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
@@ -84,7 +94,7 @@ def results(models, demo_checkpoint, tmp_path_factory):
 
 
 CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
-         "demo")
+         "llama-gguf", "demo")
 
 
 def demo_tp1(checkpoint) -> dict:

@@ -2,10 +2,9 @@
 
 A loader hands each weight over already in our orientation (kernels [in, out]) and in one of
 our forms: a float numpy array, a `QuantArray`, an `Int4Array` or an `Int8GroupArray` of
-numpy arrays. Layers are
-stacked on a leading axis, so every layer of one leaf must end up in one form: where a file
-mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K), `finish` dequantizes the
-leaf's quantized layers exactly into float32 and says so in `notes`.
+numpy arrays. Layers are stacked on a leading axis where each weight's layers share a form;
+where a file mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K, which no kernel
+of ours takes), the layers stay a list of trees, each in its own form, and `notes` says so.
 """
 from __future__ import annotations
 
@@ -129,8 +128,13 @@ class ParamFiller:
             self.top[path] = value
 
     def finish(self) -> dict:
+        """The parameter tree: layers stacked on a leading axis, or, where a weight's layers
+        come in different forms (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K), a list
+        of per-layer trees, each weight in its own layer's form (model/runtime_params.py
+        prepares either)."""
         params = jax.tree.map(lambda a: None, self.abstract)
         missing = []
+        num_layers = self.cfg.num_layers
         for path, a in _flatten(self.abstract):
             if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
                 continue
@@ -141,14 +145,27 @@ class ParamFiller:
                 _put(params, path, self._float_or_keep(self.top[path]))
                 continue
             got = self.layers.get(path, {})
-            absent = [i for i in range(a.shape[0]) if i not in got]
+            absent = [i for i in range(num_layers) if i not in got]
             if absent:
                 missing.append("/".join(path) + f" (layers {absent[:4]})")
-                continue
-            _put(params, path, self._stack(path, [got[i] for i in range(a.shape[0])]))
         if missing:
             raise WeightsError("missing tensor(s): " + ", ".join(missing[:5])
                                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        per_layer = {path: [self._float_or_keep(got[i]) for i in range(num_layers)]
+                     for path, got in self.layers.items()}
+        mixed = {path: Counter(form(v) for v in values) for path, values in per_layer.items()
+                 if len({_signature(v) for v in values}) > 1}
+        if mixed:
+            layers = [jax.tree.map(lambda a: None, params["layers"]) for _ in range(num_layers)]
+            for path, values in per_layer.items():
+                for i, value in enumerate(values):
+                    _put(layers[i], path[1:], value)
+            params["layers"] = layers
+            self.notes += [f"{'/'.join(p[1:])}: layers in {dict(f)}, each run in its own form"
+                           for p, f in mixed.items()]
+        else:
+            for path, values in per_layer.items():
+                _put(params, path, _stack(values))
         return params
 
     def describe(self, value) -> str:
@@ -162,18 +179,13 @@ class ParamFiller:
             return value
         return value.astype(self.dtype)
 
-    def _stack(self, path: Path, values: list):
-        kinds = Counter(_signature(v) for v in values)
-        if len(kinds) == 1:
-            first = values[0]
-            if isinstance(first, QUANTIZED):
-                return type(first)(*(np.stack(parts)
-                                     for parts in zip(*(_parts(v) for v in values))))
-            return np.stack(values).astype(self.dtype)
-        forms = Counter(form(v) for v in values)
-        self.notes.append(f"{'/'.join(path[1:])}: layers mix {dict(forms)}; all dequantized "
-                          f"to {np.dtype(self.dtype).name} (one form per stacked weight)")
-        return np.stack([dequantize_np(v) for v in values]).astype(self.dtype)
+
+
+def _stack(values: list):
+    """Layers of one form stacked on a leading axis."""
+    if isinstance(values[0], QUANTIZED):
+        return type(values[0])(*(np.stack(parts) for parts in zip(*(_parts(v) for v in values))))
+    return np.stack(values)
 
 
 def _flatten(tree, prefix: Path = ()):
