@@ -198,7 +198,7 @@ def test_unknown_architecture_is_refused(tmp_path):
 
 # -- the demo's own file -----------------------------------------------------------------------
 
-def test_the_demos_own_gguf_answers_as_the_demo(demo_model_dir):
+def test_the_demos_own_gguf_answers_as_the_demo(demo_model_dir, caplog):
     """SmolLM2's Q4_1 file served as it is (layers on their own codes, the Q8_0 table as the
     tied head's weight) answers the questions token for token as the demo folder (the same
     file dequantized at conversion) does with int4 layers and as converted."""
@@ -209,9 +209,15 @@ def test_the_demos_own_gguf_answers_as_the_demo(demo_model_dir):
     assert gguf == _chat_answers(demo_model_dir, questions, quantize="int4")
     assert gguf == _chat_answers(demo_model_dir, questions, quantize="none",
                                  kv_cache_dtype="float32")
-    cfg, params = load_model(gguf_folder(demo_gguf_path()))
+    with caplog.at_level("INFO", logger="xlaserve"):
+        cfg, params = load_model(gguf_folder(demo_gguf_path()))
     assert isinstance(params["embed"], Int8GroupArray)  # the file's Q8_0 table
     assert isinstance(params["layers"]["mlp"]["down_proj"]["kernel"], Int4Array)
+    log = caplog.text  # the format, and each tensor kind's form and kernel
+    assert "checkpoint format: GGUF (SmolLM2-135M-Instruct.Q4_1.gguf)" in log
+    assert "down_proj: Q4_1 -> int4 (float16 scales) on q4_matmul" in log
+    assert "embed: Q8_0 -> int8 per group of 32 (float16 scales); the tied head on q8_0_matmul" \
+        in log
 
 
 def _chat_answers(model, questions: list[str], **options) -> list[list[int]]:

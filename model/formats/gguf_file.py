@@ -25,7 +25,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.formats.gguf_tensors import (FLOAT_TYPES, embedding, permute_rows, tensor_form,
                                         unpermute_order)
-from model.formats.param_tree import ParamFiller, form
+from model.formats.param_tree import ParamFiller, form, kernel
 from model.hf_weights import WeightsError
 
 POINTER = "gguf.json"
@@ -311,6 +311,8 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
             label = (f"{t.tensor_type.name} -> "
                      + (filler.describe(value) if path[-1] == "kernel" else form(value))
                      + (" (dequantized at load)" if dequantized else ""))
+            if path == ("embed",) and cfg.tie_word_embeddings:
+                label += f"; the tied head on {kernel(value)}"
             kinds.setdefault(path[-2] if path[-1] in ("kernel", "bias") else path[-1]
                              if path[0] != "embed" else "embed", set()).add(label)
     params = filler.finish()

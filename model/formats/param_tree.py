@@ -41,7 +41,7 @@ def kernel(value) -> str:
     cpu = jax.default_backend() == "cpu"
     if isinstance(value, Int4Array):
         return "q4_matmul" if cpu else "XLA dot, dequantized in the program"
-    if isinstance(value, Int8GroupArray):
+    if isinstance(value, Int8GroupArray):  # a kernel, or a table and so the tied head
         return "q8_0_matmul" if cpu else "XLA dot, dequantized in the program"
     if isinstance(value, QuantArray):
         per_tensor = value.scale.shape[-2:] == (1, 1)
