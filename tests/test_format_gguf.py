@@ -169,6 +169,20 @@ def test_truncated_file_is_a_clear_error(tiny_gguf, tmp_path):
         gguf_folder(cut, cache=tmp_path)
 
 
+def test_tensors_load_from_the_folders_index_and_a_wrong_one_is_a_clear_error(tiny_gguf,
+                                                                              tmp_path):
+    """Loads map the tensors from the byte ranges gguf.json recorded (no metadata parsed);
+    a range past the file's end is an error naming the folder's record."""
+    _, _, path, _ = tiny_gguf
+    folder = gguf_folder(path, cache=tmp_path)
+    pointer = json.loads((folder / "gguf.json").read_text())
+    assert {t[1] for t in pointer["tensors"]} >= {"token_embd.weight", "blk.0.attn_q.weight"}
+    pointer["tensors"][-1][4] = path.stat().st_size  # the last tensor's offset: the end
+    (folder / "gguf.json").write_text(json.dumps(pointer))
+    with pytest.raises(GGUFError, match="cannot be read as its folder records it"):
+        load_model(folder)
+
+
 def test_missing_shard_is_a_clear_error(tiny_gguf, tmp_path):
     _, _, path, _ = tiny_gguf
     first = tmp_path / "m-00001-of-00002.gguf"

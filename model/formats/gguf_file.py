@@ -23,13 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from model.config import ModelConfig
+from model.formats import gguf_index
 from model.formats.gguf_tensors import (FLOAT_TYPES, embedding, permute_rows, tensor_form,
                                         unpermute_order)
 from model.formats.param_tree import ParamFiller, form, kernel
 from model.hf_weights import WeightsError
 
 POINTER = "gguf.json"
-_VERSION = 2
+_VERSION = 3
 _SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -260,7 +261,9 @@ def gguf_folder(path: str | Path, tokenizer: str | Path | None = None,
                 shutil.copy2(tok_dir / name, tmp / name)
         else:
             _write_tokenizer(meta, tmp)
-        _write_json(tmp / POINTER, {"version": _VERSION, "files": [str(f) for f in files]})
+        _write_json(tmp / POINTER, {"version": _VERSION, "files": [str(f) for f in files],
+                                    "architecture": meta["general.architecture"],
+                                    "tensors": gguf_index.index(readers)})
         try:
             tmp.rename(out)
         except OSError:
@@ -283,43 +286,52 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
                         "agree with it: leave --quantize out")
     pointer = json.loads((Path(folder) / POINTER).read_text())
     files = [Path(f) for f in pointer["files"]]
-    readers = _readers(files)
-    permuted = metadata(readers[0]).get("general.architecture") == "llama"
+    permuted = pointer["architecture"] == "llama"
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     filler = ParamFiller(cfg)
     kinds: dict[str, set[str]] = {}
-    for reader in readers:
-        for t in reader.tensors:
-            if t.name == "rope_freqs.weight":  # read into config.json's rope_scaling
-                continue
-            target = _target(t.name)
-            if target is None:
-                raise GGUFError(f"unexpected tensor {t.name!r} in {Path(reader.path).name}")
-            path, layer = target
-            shape = tuple(int(d) for d in t.shape)
-            try:
-                value = (embedding(t.data, t.tensor_type, shape) if path == ("embed",)
-                         else tensor_form(t.data, t.tensor_type, shape))
-            except ValueError as e:
-                raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, shape {shape}) "
-                                f"cannot be read: {e}") from e
-            kind = t.name.split(".")[-2]
-            if permuted and kind in heads:
-                value = permute_rows(value, unpermute_order(value.shape[-1], heads[kind]))
-            filler.set(path, layer, value, t.name)
-            dequantized = t.tensor_type not in FLOAT_TYPES and isinstance(value, np.ndarray)
-            label = (f"{t.tensor_type.name} -> "
-                     + (filler.describe(value) if path[-1] == "kernel" else form(value))
-                     + (" (dequantized at load)" if dequantized else ""))
-            if path == ("embed",) and cfg.tie_word_embeddings:
-                label += f"; the tied head on {kernel(value)}"
-            kinds.setdefault(path[-2] if path[-1] in ("kernel", "bias") else path[-1]
-                             if path[0] != "embed" else "embed", set()).add(label)
+    for t in _tensors(files, pointer["tensors"]):
+        if t.name == "rope_freqs.weight":  # read into config.json's rope_scaling
+            continue
+        target = _target(t.name)
+        if target is None:
+            raise GGUFError(f"unexpected tensor {t.name!r} in {files[0].name}")
+        path, layer = target
+        value = _our_form(t, path, permuted and t.name.split(".")[-2] in heads,
+                          heads.get(t.name.split(".")[-2]))
+        filler.set(path, layer, value, t.name)
+        dequantized = t.tensor_type not in FLOAT_TYPES and isinstance(value, np.ndarray)
+        label = (f"{t.tensor_type.name} -> "
+                 + (filler.describe(value) if path[-1] == "kernel" else form(value))
+                 + (" (dequantized at load)" if dequantized else ""))
+        if path == ("embed",) and cfg.tie_word_embeddings:
+            label += f"; the tied head on {kernel(value)}"
+        kinds.setdefault(path[-2] if path[-1] in ("kernel", "bias") else path[-1]
+                         if path[0] != "embed" else "embed", set()).add(label)
     params = filler.finish()
     log = [f"checkpoint format: GGUF ({', '.join(f.name for f in files)})"]
     log += [f"  {k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items())]
     log += [f"  {note}" for note in filler.notes]
     return params, log
+
+
+def _our_form(t, path: tuple[str, ...], permuted: bool, heads: int | None):
+    """One tensor in our form and orientation, llama.cpp's Q/K row order undone."""
+    try:
+        value = (embedding(t.data, t.tensor_type, t.shape) if path == ("embed",)
+                 else tensor_form(t.data, t.tensor_type, t.shape))
+    except ValueError as e:
+        raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, shape {t.shape}) "
+                        f"cannot be read: {e}") from e
+    return permute_rows(value, unpermute_order(value.shape[-1], heads)) if permuted else value
+
+
+def _tensors(files: list[Path], entries: list[list]):
+    try:
+        yield from gguf_index.tensors(files, entries)
+    except (OSError, ValueError) as e:
+        raise GGUFError(f"{files[0].name} cannot be read as its folder records it: {e}; "
+                        "delete that folder to read the file again") from e
 
 
 def _target(name: str):
