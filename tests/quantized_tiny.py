@@ -267,10 +267,18 @@ OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page
 PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
 
 
-def leaf(params, path):
+def leaf(params, path, layer=None):
+    """The leaf at `path`; with `layer`, that layer's own leaf when the layers are stored as a
+    list of per-layer trees (their forms differ), else the layer-stacked leaf."""
     for p in path:
         params = params[p]
+        if isinstance(params, list):
+            params = params[layer]
     return params
+
+
+def per_layer(params) -> bool:
+    return isinstance(params["layers"], list)
 
 
 def loaded(params, cfg, hf_name: str) -> np.ndarray:
@@ -280,15 +288,20 @@ def loaded(params, cfg, hf_name: str) -> np.ndarray:
     from model.formats.param_tree import dequantize_np
     from model.hf_weights import _target
     path, layer, transpose = _target(hf_name, cfg)
-    value = dequantize_np(jax.tree.map(np.asarray, leaf(params, path)))
-    value = value[layer] if layer is not None else value
+    value = dequantize_np(jax.tree.map(np.asarray, leaf(params, path, layer)))
+    if layer is not None and not per_layer(params):
+        value = value[layer]
     return value.T if transpose else value
 
 
-def kernel(params, module: str, proj: str):
-    """A layer-stacked kernel in its form (QuantArray, Int4Array, ...), on the host."""
+def kernel(params, module: str, proj: str, layer: int | None = None):
+    """A kernel in its form (QuantArray, Int4Array, ...), on the host: the layer-stacked leaf,
+    or with `layer` that layer's own [in, out] leaf in either stored form."""
     import jax
-    return jax.tree.map(np.asarray, params["layers"][module][proj]["kernel"])
+    value = jax.tree.map(np.asarray, leaf(params, ("layers", module, proj, "kernel"), layer))
+    if layer is None or per_layer(params):
+        return value
+    return jax.tree.map(lambda a: a[layer], value)
 
 
 def assert_weights_equal(params, cfg, expected: dict[str, np.ndarray]) -> None:
