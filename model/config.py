@@ -5,12 +5,48 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-# architecture -> (q/k/v bias, q/k RMSNorm). Everything else is read from config.json.
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """How a family's config.json names its mixture of experts and how it routes a token:
+    softmax over every expert in float32, the top k, then as these flags say."""
+    expert_size_field: str  # each expert's intermediate size
+    always_renormalize: bool  # top-k weights divided by their sum, norm_topk_prob or not
+    # transformers 5 keeps Mixtral's top-k weights in float32 (each expert's output times
+    # its weight rounds once to the activations' dtype); the others cast the weights to the
+    # activations' dtype first. Only a bfloat16 or float16 model can tell the two apart.
+    float32_weights: bool
+    shared_expert: bool  # Qwen2-MoE: a dense gated expert every token goes through too
+    sparse_layers: bool  # decoder_sparse_step and mlp_only_layers pick the MoE layers
+
+
+@dataclass(frozen=True)
+class Family:
+    qkv_bias: bool = False  # q/k/v carry biases (config.json's `qkv_bias` may say otherwise)
+    # "head": RMSNorm of each head of q and k (Qwen3); "full": of the whole q and k
+    # projections before the head reshape (OLMoE).
+    qk_norm: str = ""
+    moe: MoeFamily | None = None
+
+
+# Everything not here is read from config.json.
 FAMILIES = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(qkv_bias=True),
+    "Qwen3ForCausalLM": Family(qk_norm="head"),
+    "MixtralForCausalLM": Family(moe=MoeFamily(
+        "intermediate_size", always_renormalize=True,
+        float32_weights=True, shared_expert=False, sparse_layers=False)),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False,
+        float32_weights=False, shared_expert=True, sparse_layers=True)),
+    "Qwen3MoeForCausalLM": Family(qk_norm="head", moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False,
+        float32_weights=False, shared_expert=False, sparse_layers=True)),
+    "OlmoeForCausalLM": Family(qk_norm="full", moe=MoeFamily(
+        "intermediate_size", always_renormalize=False,
+        float32_weights=False, shared_expert=False, sparse_layers=False)),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # KV cache storage (model/kv_cache.py): "auto" is the model's dtype; a float dtype stores K/V
@@ -43,10 +79,20 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False  # per head (Qwen3)
+    qk_norm_full: bool = False  # over the whole q and k projections (OLMoE)
+    clip_qkv: float = 0.0  # q, k, v clamped to +-clip_qkv after the norms; 0: not clamped
     # One sliding window per layer, 0 where the layer attends to everything.
     sliding_windows: tuple[int, ...] = ()
     dtype: str = "float32"
+    # Mixture of experts (num_experts 0: none). A layer of `moe_layers` sends each token to
+    # num_experts_per_tok of the experts; the others keep the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = False  # the top-k weights divided by their sum
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -60,6 +106,18 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling or ())
 
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer has the same weights (stored stacked); else a list of layers."""
+        return len(set(self.moe_layers)) <= 1
+
+    @property
+    def moe_family(self) -> MoeFamily:
+        return FAMILIES[self.architecture].moe
+
     def with_dtype(self, dtype: str) -> "ModelConfig":
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -72,7 +130,7 @@ class ModelConfig:
         if arch not in FAMILIES:
             raise ConfigError(f"unsupported architecture {arch!r}; supported: "
                               + ", ".join(FAMILIES))
-        qkv_bias, qk_norm = FAMILIES[arch]
+        family = FAMILIES[arch]
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         num_layers = hf["num_hidden_layers"]
@@ -93,11 +151,14 @@ class ModelConfig:
             rope_scaling=_rope_scaling(rope),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias or attention_bias,
+            qkv_bias=bool(hf.get("qkv_bias", family.qkv_bias)) or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=qk_norm,
+            qk_norm=family.qk_norm == "head",
+            qk_norm_full=family.qk_norm == "full",
+            clip_qkv=float(hf.get("clip_qkv") or 0.0),
             sliding_windows=_sliding_windows(hf, arch, num_layers),
+            **(_moe_fields(hf, family.moe, num_layers) if family.moe else {}),
         )
         return cfg.with_dtype(dtype or _hf_dtype(hf))
 
@@ -117,6 +178,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = tuple((k, v) for k, v in d["rope_scaling"])
         d["sliding_windows"] = tuple(d.get("sliding_windows", ()))
+        d["moe_layers"] = tuple(d.get("moe_layers", ()))
         return cls(**d)
 
 
@@ -141,8 +203,10 @@ def _rope_scaling(rs: dict):
 
 def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int, ...]:
     window = hf.get("sliding_window") or 0
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (int(window),) * num_layers
+    if arch == "Qwen3MoeForCausalLM":  # one window for every layer, as its mask is built
+        return (int(window) if hf.get("use_sliding_window") else 0,) * num_layers
     if arch.startswith("Qwen") and hf.get("use_sliding_window") and window:
         # Qwen applies the window only from layer max_window_layers on.
         types = hf.get("layer_types")
@@ -151,3 +215,62 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int, ...]:
         first = hf.get("max_window_layers", num_layers)
         return tuple(int(window) if i >= first else 0 for i in range(num_layers))
     return (0,) * num_layers
+
+
+# config.json fields of mixtures of experts that change what the model computes and that we do
+# not implement (DeepSeek's grouped or sigmoid routing, other activations...), each with the
+# values that mean "off". Training-only fields (router_aux_loss_coef, router_jitter_noise,
+# output_router_logits) change nothing here.
+MOE_UNSUPPORTED = {
+    "hidden_act": (None, "silu"),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "routed_scaling_factor": (None, 1.0),
+    "n_shared_experts": (None, 0),
+    "first_k_dense_replace": (None, 0),
+    "moe_layer_freq": (None, 1),
+}
+
+
+def _moe_fields(hf: dict, family: MoeFamily, num_layers: int) -> dict:
+    for field, off in MOE_UNSUPPORTED.items():
+        if hf.get(field) not in off:
+            supported = ", ".join(repr(v) for v in off if v is not None)
+            raise ConfigError(f"unsupported mixture-of-experts config: {field}="
+                              f"{hf[field]!r} (supported: {supported}, or no {field})")
+    experts = _num_experts(hf)
+    k = int(hf.get("num_experts_per_tok") or 0)
+    if experts and not 0 < k <= experts:
+        raise ConfigError(f"num_experts_per_tok={k} with {experts} experts")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family.shared_expert else 0
+    if family.shared_expert and experts and not shared:
+        raise ConfigError("unsupported mixture-of-experts config: "
+                          "shared_expert_intermediate_size=0")
+    return dict(num_experts=experts, num_experts_per_tok=k if experts else 0,
+                moe_intermediate_size=int(hf[family.expert_size_field]),
+                shared_expert_intermediate_size=shared,
+                norm_topk_prob=family.always_renormalize or bool(hf.get("norm_topk_prob")),
+                moe_layers=_moe_layers(hf, family, num_layers, experts))
+
+
+def _num_experts(hf: dict) -> int:
+    """transformers reads either name in every family (its configs' attribute_map)."""
+    found = {int(hf[f]) for f in ("num_experts", "num_local_experts") if hf.get(f) is not None}
+    if len(found) > 1:
+        raise ConfigError(f"num_experts and num_local_experts disagree: {sorted(found)}")
+    return found.pop() if found else 0
+
+
+def _moe_layers(hf: dict, family: MoeFamily, num_layers: int, experts: int):
+    """Qwen's rule: layer i routes iff it is not in mlp_only_layers and (i + 1) is a multiple
+    of decoder_sparse_step; the other families route in every layer."""
+    if not family.sparse_layers:
+        return (experts > 0,) * num_layers
+    step = hf.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"unsupported mixture-of-experts config: decoder_sparse_step={step!r}")
+    dense = set(hf.get("mlp_only_layers") or ())
+    return tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                 for i in range(num_layers))

@@ -19,8 +19,12 @@ from tqdm import tqdm
 from model.config import ModelConfig
 from model.transformer import abstract_params
 
-# (HF name pattern, parameter path, transpose). "{}" in a path takes the pattern's last group.
+# (HF name pattern, parameter path, transpose). "{}" in a path takes the pattern's last group;
+# a pattern with an `experts.E.` part fills expert E's slot of a kernel [E, in, out].
 _LAYER = r"model\.layers\.(\d+)\."
+_EXPERT = r"experts\.(\d+)\."
+_MOE = ("layers", "moe")
+EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # of "moe": one slot per expert
 HF_TABLE = [
     (r"model\.embed_tokens\.weight", ("embed",), False),
     (r"model\.norm\.weight", ("final_norm", "scale"), False),
@@ -32,6 +36,21 @@ HF_TABLE = [
     (_LAYER + r"self_attn\.([qk])_norm\.weight", ("layers", "attn", "{}_norm", "scale"), False),
     (_LAYER + r"mlp\.(gate|up|down)_proj\.weight", ("layers", "mlp", "{}_proj", "kernel"), True),
     (_LAYER + r"mlp\.(gate|up|down)_proj\.bias", ("layers", "mlp", "{}_proj", "bias"), False),
+    # Mixtral: w1 gate, w3 up, w2 down
+    (_LAYER + r"block_sparse_moe\.gate\.weight", (*_MOE, "router", "kernel"), True),
+    (_LAYER + r"block_sparse_moe\." + _EXPERT + r"w1\.weight", (*_MOE, "gate_proj", "kernel"),
+     True),
+    (_LAYER + r"block_sparse_moe\." + _EXPERT + r"w3\.weight", (*_MOE, "up_proj", "kernel"),
+     True),
+    (_LAYER + r"block_sparse_moe\." + _EXPERT + r"w2\.weight", (*_MOE, "down_proj", "kernel"),
+     True),
+    # Qwen2-MoE, Qwen3-MoE, OLMoE
+    (_LAYER + r"mlp\.gate\.weight", (*_MOE, "router", "kernel"), True),
+    (_LAYER + r"mlp\." + _EXPERT + r"(gate|up|down)_proj\.weight", (*_MOE, "{}_proj", "kernel"),
+     True),
+    (_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight",
+     (*_MOE, "shared_expert", "{}_proj", "kernel"), True),
+    (_LAYER + r"mlp\.shared_expert_gate\.weight", (*_MOE, "shared_expert_gate", "kernel"), True),
 ]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -59,16 +78,30 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str, cfg: ModelConfig):
-    """HF tensor name -> (path, layer or None, transpose), or None if not ours."""
+def _locate(name: str):
+    """HF tensor name -> (path, layer or None, expert or None, transpose), or None if not
+    ours."""
     for pattern, path, transpose in HF_TABLE:
         m = re.fullmatch(pattern, name)
         if m:
             groups = m.groups()
             layer = int(groups[0]) if pattern.startswith(_LAYER) else None
+            expert = int(groups[1]) if _EXPERT in pattern else None
             path = tuple(p.format(groups[-1]) if "{}" in p else p for p in path)
-            return path, layer, transpose
+            return path, layer, expert, transpose
     return None
+
+
+def _target(name: str, cfg: ModelConfig):
+    """HF tensor name -> (path, layer or None, transpose), or None if not ours: for the
+    quantized formats, which read no per-expert tensors."""
+    found = _locate(name)
+    if found is None:
+        return None
+    path, layer, expert, transpose = found
+    if expert is not None:
+        raise WeightsError(f"tensor {name!r}: experts are read from float safetensors only")
+    return path, layer, transpose
 
 
 def _get(tree, path):
@@ -77,54 +110,96 @@ def _get(tree, path):
     return tree
 
 
+def _slot(params, path, layer, expert, name: str):
+    """-> (the array a tensor goes into, its index there): a layer's slot of a stacked array
+    or the layer's own array, then the expert's slot."""
+    tree, index = params, ()
+    if layer is not None:
+        stacked = not isinstance(params["layers"], list)
+        count = _get(params, path).shape[0] if stacked else len(params["layers"])
+        if layer >= count:
+            raise WeightsError(f"tensor {name!r}: layer {layer} but the config has "
+                               f"{count} layers")
+        if stacked:
+            index = (layer,)
+        else:
+            tree, path = params["layers"][layer], path[1:]
+    dest = _get(tree, path)
+    if expert is not None:
+        if expert >= dest.shape[len(index)]:
+            raise WeightsError(f"tensor {name!r}: expert {expert} but the config has "
+                               f"{dest.shape[len(index)]} experts")
+        index += (expert,)
+    return dest, index
+
+
 def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) -> dict:
-    """Reads every tensor of an HF folder into a numpy parameter tree of dtype cfg.dtype."""
+    """Reads every tensor of an HF folder into a numpy parameter tree of dtype cfg.dtype
+    (layers stacked, or a list of per-layer trees where layers differ)."""
     hf_dir = Path(hf_dir)
     abstract = abstract_params(cfg)
     dtype = np_dtype(cfg.dtype)
     params = jax.tree.map(lambda a: np.empty(a.shape, dtype), abstract)
-    filled = jax.tree_util.tree_map_with_path(
-        lambda path, a: np.zeros(a.shape[0] if path[0].key == "layers" else 1, bool), abstract)
+    wanted, filled = set(_expected(abstract, cfg)), set()
     files = safetensors_files(hf_dir)
     names = [(f, n) for f in files for n in _keys(f)]
     bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     opened = {}
     for file, name in bar:
-        target = _target(name, cfg)
+        target = _locate(name)
         if target is None:
             if not _IGNORED.match(name):
                 raise WeightsError(f"unexpected tensor {name!r} in {file.name}")
             continue
-        path, layer, transpose = target
+        path, layer, expert, transpose = target
         if path[0] == "lm_head" and cfg.tie_word_embeddings:
             continue  # a tied checkpoint may still store the (identical) head
         try:
-            dest = _get(params, path)
-        except KeyError:
+            dest, index = _slot(params, path, layer, expert, name)
+        except (KeyError, IndexError):
             raise WeightsError(f"tensor {name!r} does not belong in a {cfg.architecture} "
                                "with this config") from None
         if file not in opened:
             opened[file] = safe_open(file, "numpy")
         value = opened[file].get_tensor(name)
         value = value.T if transpose else value
-        want = dest.shape[1:] if layer is not None else dest.shape
-        if layer is not None and layer >= dest.shape[0]:
-            raise WeightsError(f"tensor {name!r}: layer {layer} but the config has "
-                               f"{dest.shape[0]} layers")
+        want = dest.shape[len(index):]
         if value.shape != want:
             raise WeightsError(f"tensor {name!r} has shape {tuple(value.shape)}, expected "
                                f"{tuple(want)}" + (" (transposed)" if transpose else ""))
-        if layer is None:
-            dest[...] = value.astype(dtype)
-        else:
-            dest[layer] = value.astype(dtype)
-        _get(filled, path)[layer or 0] = True
-    missing = [_describe(path, done) for path, done in
-               jax.tree_util.tree_flatten_with_path(filled)[0] if not done.all()]
+        dest[index] = value.astype(dtype)
+        filled.add((path, layer, expert))
+    missing = wanted - filled
     if missing:
-        raise WeightsError("missing tensor(s): " + ", ".join(missing[:5])
-                           + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        described = _describe(missing)
+        raise WeightsError("missing tensor(s): " + ", ".join(described[:5])
+                           + (f" and {len(described) - 5} more" if len(described) > 5 else ""))
     return params
+
+
+def _expected(abstract, cfg: ModelConfig):
+    """(path, layer, expert) of every tensor the model declares; a path names a layer's
+    weight as the stacked tree does, whatever the form."""
+    layers = abstract["layers"]
+    per_layer = (enumerate(layers) if isinstance(layers, list)
+                 else ((i, layers) for i in range(cfg.num_layers)))
+    for path, _ in _leaves({k: v for k, v in abstract.items() if k != "layers"}):
+        yield path, None, None
+    for i, tree in per_layer:
+        for path, _ in _leaves(tree):
+            path = ("layers", *path)
+            if path[:2] == _MOE and path[2] in EXPERT_KERNELS:
+                yield from ((path, i, e) for e in range(cfg.num_experts))
+            else:
+                yield path, i, None
+
+
+def _leaves(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, prefix + (k,))
+    else:
+        yield prefix, tree
 
 
 def _keys(file: Path) -> list[str]:
@@ -132,8 +207,17 @@ def _keys(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def _describe(path, done) -> str:
-    name = "/".join(str(getattr(p, "key", p)) for p in path)
-    if done.size > 1:
-        name += f" (layers {np.flatnonzero(~done).tolist()[:4]})"
-    return name
+def _describe(missing) -> list[str]:
+    """One entry per weight: its path, and the layers and experts it lacks."""
+    by_path: dict[tuple, list] = {}
+    for path, layer, expert in missing:
+        by_path.setdefault(path, []).append((layer, expert))
+    out = []
+    for path, where in sorted(by_path.items()):
+        name = "/".join(path)
+        layers = sorted({l for l, _ in where if l is not None})
+        experts = sorted({e for _, e in where if e is not None})
+        if layers:
+            name += f" (layers {layers[:4]}" + (f", experts {experts[:4]})" if experts else ")")
+        out.append(name)
+    return out

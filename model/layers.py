@@ -68,12 +68,13 @@ def reduce_shards(x, axis: str | None):
 class MLP(nn.Module):
     cfg: ModelConfig
     axis: str | None = None  # tensor parallel: the mesh axis down_proj's partial sums meet on
+    intermediate_size: int = 0  # 0: the config's (a shared expert has a size of its own)
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
         lin = lambda n, name: Linear(n, cfg.mlp_bias, cfg.dtype, name=name)
-        n = cfg.intermediate_size
+        n = self.intermediate_size or cfg.intermediate_size
         if self.has_variable("params", "gate_up_proj"):  # joined by prepare_params
             gate, up = jnp.split(lin(2 * n, "gate_up_proj")(x), 2, axis=-1)
         else:

@@ -14,24 +14,31 @@ HF projection. Run: `prepare_params` gives
   kernels (quant/packed.py), and an int8 tied embedding table (per row or in groups) packed
   again as `lm_head`: XLA:CPU widens int8 weights in memory before a dot, the kernel in
   registers. Float weights (and a float tied table, as
-  `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch.
+  `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch;
+  a mixture of experts' stacked expert kernels for the grouped kernels
+  (quant/packed_experts.py).
 
 `forward` accepts either form (it prepares a stored tree itself, slowly, inside the program).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from quant import packed
+from quant import packed, packed_experts
 from quant.array import QuantArray, cast_scaled, dequantize
 from quant.int4 import Int4Array, concat_int4, is_quantized
 from quant.int8_groups import Int8GroupArray, concat_int8_groups
 
-JOINED = {"attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+# module path -> (joined name, its parts); a mixture-of-experts layer joins its experts'
+# gate/up ([E, in, out] each) and its shared expert's.
+JOINED = {("attn",): ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          ("mlp",): ("gate_up_proj", ("gate_proj", "up_proj")),
+          ("moe",): ("gate_up_proj", ("gate_proj", "up_proj")),
+          ("moe", "shared_expert"): ("gate_up_proj", ("gate_proj", "up_proj"))}
 
 
 def is_prepared(params) -> bool:
@@ -77,6 +84,8 @@ def _pack(params):
     """Every packable int8 kernel as a PackedQ8, and every other float or quantized kernel
     as a PackedDense; a tied table (int8, fp8 or float) also as the head."""
     def one(path, a):
+        if packed_experts.packable(a):
+            return packed_experts.pack(a)
         if packed.packable(a):
             return packed.pack(a)
         if packed.int4_packable(a):
@@ -104,20 +113,37 @@ def _join_projections(layer: dict, exact: bool) -> dict:
     with per-channel scales (exact) where `exact`, the CPU kernels' way; elsewhere fp8 ones
     are quantized again to the largest of their scales, as vLLM joins them, so the joined
     weight keeps the one scale XLA's fp8 GEMM needs."""
-    layer = dict(layer)
     for module, (joined, parts) in JOINED.items():
-        sub = dict(layer[module])
+        sub = _module(layer, module)
+        if sub is None or not all(p in sub for p in parts):
+            continue
         kernels = [sub[p]["kernel"] for p in parts]
         if not _joinable(kernels):
             continue
+        sub = dict(sub)
         entry = {"kernel": _concat(kernels, exact)}
         if "bias" in sub[parts[0]]:
             entry["bias"] = jnp.concatenate([sub[p]["bias"] for p in parts], axis=-1)
         for p in parts:
             del sub[p]
         sub[joined] = entry
-        layer[module] = sub
+        layer = _replaced(layer, module, sub)
     return layer
+
+
+def _module(tree: dict, path: tuple):
+    for p in path:
+        if not isinstance(tree, dict) or p not in tree:
+            return None
+        tree = tree[p]
+    return tree
+
+
+def _replaced(tree: dict, path: tuple, value) -> dict:
+    """A copy of `tree` with the module at `path` replaced (the caller's tree untouched)."""
+    if not path:
+        return value
+    return {**tree, path[0]: _replaced(tree[path[0]], path[1:], value)}
 
 
 def _joinable(kernels) -> bool:
@@ -136,12 +162,13 @@ def _concat_quant(kernels: list[QuantArray], exact: bool) -> QuantArray:
     (vLLM's requantize_with_max_scale)."""
     fp8 = jnp.dtype(kernels[0].values.dtype) == jnp.float8_e4m3fn
     if fp8 and not exact and all(k.per_tensor for k in kernels):
-        top = jnp.max(jnp.stack([k.scale.reshape(()) for k in kernels])).reshape(1, 1)
+        top = functools.reduce(jnp.maximum, [k.scale for k in kernels])  # per expert
         return QuantArray(jnp.concatenate([cast_scaled(dequantize(k), top, k.values.dtype)
                                            for k in kernels], axis=-1), top)
     return QuantArray(
         jnp.concatenate([k.values for k in kernels], axis=-1),
-        jnp.concatenate([jnp.broadcast_to(k.scale, (1, k.shape[-1])) for k in kernels], -1))
+        jnp.concatenate([jnp.broadcast_to(k.scale, (*k.scale.shape[:-1], k.shape[-1]))
+                         for k in kernels], -1))
 
 
 def _widened(k):

@@ -1,4 +1,5 @@
-"""The decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 families, in Flax.
+"""The decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 families and their
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in Flax.
 
 `forward(params, cache, batch, cfg)` is a pure function: it returns the logits of the tokens
 named by `batch.logits_indices` and the cache with this step's keys and values written in.
@@ -13,6 +14,7 @@ from model.attention import paged_attention
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
+from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
 from model.layers import (MLP, Linear, RMSNorm, apply_rope, embed, matmul, matmul_t,
@@ -35,12 +37,17 @@ class Attention(nn.Module):
         else:
             q, k, v = (Linear(n, cfg.qkv_bias, cfg.dtype, name=f"{p}_proj")(x)
                        for n, p in zip(sizes, "qkv"))
+        if cfg.qk_norm_full:  # OLMoE: over every head at once, before the reshape
+            q = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="k_norm")(k)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="k_norm")(k)
+        if cfg.clip_qkv:
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         inv_freq = rope_inv_freq(cfg)
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
@@ -64,8 +71,9 @@ class DecoderLayer(nn.Module):
         h, cache = attn(h, cache, layer, window, batch)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_norm")(x)
-        x = x + MLP(cfg, self.axis, name="mlp")(h)
-        return x, cache
+        if cfg.is_moe(layer):
+            return x + MoE(cfg, self.axis, name="moe")(h), cache
+        return x + MLP(cfg, self.axis, name="mlp")(h), cache
 
 
 def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference"):
@@ -115,7 +123,8 @@ def compute_logits(params, hidden, cfg: ModelConfig, axis: str | None = None):
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):
-    """Random weights in the model's dtype, layers stacked (for tests and dummy weights)."""
+    """Random weights in the model's dtype (for tests and dummy weights): layers stacked, or
+    a list of per-layer trees where layers differ (dense and MoE mixed)."""
     return jax.jit(lambda key: _init(cfg, key))(jax.random.PRNGKey(seed))
 
 
@@ -130,12 +139,17 @@ def _init(cfg: ModelConfig, key):
                   jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
     cache = KVCache.zeros(cfg, 1, 1)
     x = jnp.zeros((1, cfg.hidden_size), cfg.dtype)
-    init_layer = lambda k: DecoderLayer(cfg, "reference").init(
-        k, x, cache, 0, jnp.int32(0), batch)["params"]
+    init_layer = lambda k, i: DecoderLayer(cfg, "reference").init(
+        k, x, cache, i, jnp.int32(0), batch)["params"]
+    keys = jax.random.split(k_layers, cfg.num_layers)
+    if cfg.uniform_layers:
+        layers = jax.vmap(lambda k: init_layer(k, 0))(keys)
+    else:
+        layers = [init_layer(k, i) for i, k in enumerate(keys)]
     params = {
         "embed": nn.initializers.normal(0.02)(k_embed, (cfg.vocab_size, cfg.hidden_size),
                                               cfg.dtype),
-        "layers": jax.vmap(init_layer)(jax.random.split(k_layers, cfg.num_layers)),
+        "layers": layers,
         "final_norm": {"scale": jnp.ones((cfg.hidden_size,), cfg.dtype)},
     }
     if not cfg.tie_word_embeddings:

@@ -29,7 +29,7 @@ import jaxlib
 SOURCE_DIR = Path(__file__).parent / "cpu"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
-# handler `xlaserve_<name>`.
+# handler `xlaserve_<name>` (and the matmuls `xlaserve_<name>_grouped`, see grouped_matmul).
 KERNELS = ("q8_matmul", "q4_matmul", "q8_0_matmul", "paged_attention", "argmax", "masked_argmax",
            "dense_matmul", "rms_norm")
 
@@ -82,6 +82,7 @@ def _compiler() -> str | None:
 
 
 _registered: set[str] = set()
+_grouped: set[str] = set()  # kernels whose library exports xlaserve_<kernel>_grouped
 
 
 @functools.cache
@@ -98,6 +99,11 @@ def _load(kernel: str) -> bool:
     lib = ctypes.cdll.LoadLibrary(str(path))
     name = f"xlaserve_{kernel}"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    if hasattr(lib, f"{name}_grouped"):
+        jax.ffi.register_ffi_target(f"{name}_grouped",
+                                    jax.ffi.pycapsule(getattr(lib, f"{name}_grouped")),
+                                    platform="cpu")
+        _grouped.add(kernel)
     _registered.add(kernel)
     return True
 
@@ -108,6 +114,10 @@ def available(kernel: str) -> bool:
     kernel must not pass for a missing compiler."""
     return _load(kernel)
 
+
+def grouped_available(kernel: str) -> bool:
+    """True when `kernel` is available and has a grouped form, `xlaserve_<kernel>_grouped`."""
+    return _load(kernel) and kernel in _grouped
 
 
 def loaded_kernels() -> tuple[str, ...]:
@@ -125,3 +135,16 @@ def matmul(kernel: str, x, n: int, *operands):
     call = jax.ffi.ffi_call(f"xlaserve_{kernel}",
                             jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, *operands).reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def grouped_matmul(kernel: str, x, group_sizes, n: int, *operands):
+    """x: float[M, K], rows sorted by group, through the grouped form of the matmul kernel
+    `kernel`: group_sizes int32[E], group e's rows against expert e's weight (`operands`
+    are the kernel's own, each with a leading axis of E) -> [M, n] in x's dtype. Rows past
+    sum(group_sizes) come out zero; a negative size or a sum past M fails the call."""
+    if not grouped_available(kernel):
+        raise RuntimeError(f"no grouped CPU kernel {kernel!r} here (no C++ compiler or no AVX2)")
+    call = jax.ffi.ffi_call(f"xlaserve_{kernel}_grouped",
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    y = call(x.astype(jnp.float32), jnp.asarray(group_sizes).astype(jnp.int32), *operands)
+    return y.astype(x.dtype)

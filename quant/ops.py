@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from quant import packed
+from quant import packed, packed_experts
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
 from quant.int4 import Int4Array, is_quantized, matmul_int4
 from quant.int8_groups import Int8GroupArray, matmul_int8_groups, take_rows
@@ -53,6 +53,23 @@ def matmul(x, w):
         return fp8_matmul(x, w)
     y = jnp.matmul(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scale[0]).astype(x.dtype)
+
+
+def grouped_matmul(x, w, group_sizes):
+    """Rows of x sorted by group, each against its group's weight: x [M, in], w [G, in, out]
+    (an array or a quantized form with a leading group axis), group_sizes int32[G] summing
+    to at most M -> [M, out] in x's dtype; rows past the groups' sum come out zero. The
+    mixture-of-experts matmul (model/moe.py): one group per expert, shapes fixed whatever
+    the mix. Packed for the grouped CPU kernels (quant/packed_experts.py), each row gets what
+    the single kernel gives it alone; elsewhere `ragged_dot`, quantized weights dequantized
+    into it (weight-only)."""
+    if isinstance(w, packed_experts.PackedExperts):
+        return packed_experts.grouped_matmul(x, w, group_sizes)
+    if is_quantized(w):
+        w = w.dequantize(x.dtype)
+    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+                           preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 def matmul_t(x, w):

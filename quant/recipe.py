@@ -13,6 +13,9 @@ comma-separated options after a colon:
                           scale and offset each (GGUF's Q4_1, quant/int4.py), weight-only
     int8:embed,lm_head    also the embedding table and the output head
 
+Mixture-of-experts layers quantize every expert's kernels, each expert with scales of its
+own (per channel, tensor or group of that expert); the router stays in the model's dtype.
+
 The embedding and head are left in the model's dtype by default. When named, they are
 quantized per row (= per output channel of the head), weight-only, whatever the layers'
 granularity (int8 for an int4 recipe, as GGUF files keep theirs in 8 bits). With tied
@@ -24,6 +27,9 @@ from dataclasses import asdict, dataclass
 from functools import partial
 
 SCHEMES = ("int8", "fp8", "int4")
+# Kernels a recipe leaves in the model's dtype: a mixture-of-experts router and its shared
+# expert's gate, small matmuls whose outputs pick and weigh the experts.
+FLOAT_KERNELS = ("router", "shared_expert_gate")
 GRANULARITIES = ("channel", "tensor", "group")
 DEFAULT_GRANULARITY = {"int8": "channel", "fp8": "tensor", "int4": "group"}
 
@@ -96,6 +102,9 @@ def _axes(path: tuple[str, ...], recipe: Recipe, tied: bool):
     """The axes one scale covers for the weight at `path`, or None to leave it alone."""
     tensor = recipe.granularity == "tensor"
     if path[-1] == "kernel" and path[0] == "layers":
+        if path[-2] in FLOAT_KERNELS:
+            return None
+        # a stacked expert kernel [.., E, in, out] gets its scales per expert
         return (-2, -1) if tensor else (-2,)
     # The embedding and the head are always per row (= per output channel), weight-only: a
     # lookup wants per-row scales, and the logits gain nothing from the fp8 GEMM's per-tensor

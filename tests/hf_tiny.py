@@ -2,6 +2,7 @@
 from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -25,19 +26,45 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
     elif family == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=20, tie_word_embeddings=True)
         cls = tf.Qwen3ForCausalLM
+    elif family in MOE_FAMILIES:
+        cfg, cls = _tiny_moe_config(family)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
-    if getattr(model.config, "attention_bias", False) or family == "qwen2":
+    if getattr(model.config, "attention_bias", False) or family in ("qwen2", "qwen2_moe"):
         with torch.no_grad():  # random biases so a dropped bias shows up
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     return model
+
+
+def _tiny_moe_config(family: str):
+    """Four experts, two a token, eager attention and experts in float32. Weights of 0.1 (not
+    0.02) so routing is far from uniform and greedy choices are clear-cut. Qwen2-MoE mixes
+    dense and MoE layers and has a shared expert; OLMoE clips q, k and v."""
+    import transformers as tf
+    common = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, num_experts_per_tok=2, initializer_range=0.1,
+                  attn_implementation="eager", experts_implementation="eager")
+    if family == "mixtral":
+        return (tf.MixtralConfig(**{**common, "intermediate_size": 40}, num_local_experts=4),
+                tf.MixtralForCausalLM)
+    if family == "qwen2_moe":
+        return (tf.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=40,
+                                  shared_expert_intermediate_size=56, mlp_only_layers=[1]),
+                tf.Qwen2MoeForCausalLM)
+    if family == "qwen3_moe":
+        return (tf.Qwen3MoeConfig(**common, head_dim=20, num_experts=4, moe_intermediate_size=40,
+                                  norm_topk_prob=True, tie_word_embeddings=True),
+                tf.Qwen3MoeForCausalLM)
+    return (tf.OlmoeConfig(**{**common, "intermediate_size": 40}, num_experts=4, clip_qkv=1.5),
+            tf.OlmoeForCausalLM)
 
 
 def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:

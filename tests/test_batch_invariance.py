@@ -31,6 +31,8 @@ MODELS = {  # name -> (family, overrides)
     "llama-int4": ("llama", {**PANEL_SIZES, "head_dim": 16}),
     # a window over several 32-key chunks of the CPU kernel, and shorter than most prompts
     "mistral": ("mistral", {"sliding_window": 50}),
+    # dense and MoE layers mixed, a shared expert; sizes in whole panels and int4 groups
+    "moe": ("qwen2_moe", {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}),
 }
 CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "float32": ("llama", "float32", None),
@@ -42,7 +44,13 @@ CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "fp8-channel": ("llama-panels", "float32", "fp8:channel"),
     "int4": ("llama-int4", "float32", "int4:lm_head"),  # the demo's CPU default recipe
     "sliding-window": ("mistral", "bfloat16", None),
+    "moe-bfloat16": ("moe", "bfloat16", None),
+    "moe-int8": ("moe", "float32", "int8"),
+    "moe-int4": ("moe", "float32", "int4:lm_head"),
+    "moe-fp8": ("moe", "float32", "fp8"),
 }
+# MoE case -> the grouped kernel its experts run on (quant/packed_experts.py)
+EXPERT_KINDS = {"moe-bfloat16": "dense", "moe-int8": "q8", "moe-int4": "q4", "moe-fp8": "dense"}
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +106,19 @@ def outputs(results):
 
 
 def kernel_forms(llm) -> set[str]:
-    """The type of every matmul weight ("kernel" leaf) the engine runs with."""
+    """The type of every matmul weight ("kernel" leaf) the engine runs with; experts' as
+    "PackedExperts:<kind>"."""
     from quant.array import QuantArray
+    from quant.packed_experts import PackedExperts
     forms = set()
 
     def visit(path, leaf):
         if any(getattr(k, "key", None) == "kernel" for k in path):
-            forms.add(type(leaf).__name__)
+            name = type(leaf).__name__
+            forms.add(f"{name}:{leaf.kind}" if isinstance(leaf, PackedExperts) else name)
     jax.tree_util.tree_map_with_path(visit, llm.engine.runner.params, is_leaf=lambda a: (
-        isinstance(a, (QuantArray, packed.PackedQ8, packed.PackedDense, packed.PackedQ4))))
+        isinstance(a, (QuantArray, packed.PackedQ8, packed.PackedDense, packed.PackedQ4,
+                       PackedExperts))))
     return forms
 
 
@@ -126,11 +138,16 @@ def differing(batched, alone):
 def test_batched_equals_alone_with_default_buckets(checkpoint, case):
     model, dtype, quantize = CASES[case]
     batched, alone, forms = batched_and_alone(checkpoint(model, dtype), quantize)
+    experts = {f for f in forms if f.startswith("PackedExperts")}
+    assert experts == ({f"PackedExperts:{EXPERT_KINDS[case]}"} if case in EXPERT_KINDS
+                       else set())
     # Every matmul runs one of the invariant kernels; int8 the q8 one where shapes allow
-    # (int4's head is int8), int4 layers the q4 one.
+    # (int4's head is int8; the MoE model's 211-token head is not in whole panels), int4
+    # layers the q4 one.
+    forms -= experts
     assert forms <= {"PackedQ8", "PackedDense", "PackedQ4"}
-    assert ("PackedQ8" in forms) == (case in ("int8-q8-kernel", "int4"))
-    assert ("PackedQ4" in forms) == (case == "int4")
+    assert ("PackedQ8" in forms) == (case in ("int8-q8-kernel", "int4", "moe-int8"))
+    assert ("PackedQ4" in forms) == (case in ("int4", "moe-int4"))
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in batched)
     assert differing(batched, alone) == []
 

@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "groups.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -240,7 +242,81 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// The grouped form, a mixture-of-experts projection: rows sorted by expert, group e's rows
+// (sizes[e] of them, after the groups before it) against expert e's panels (w holds E
+// weights of K * N values, each packed as above) and channel scales (scale float32[E * N]
+// for 8-bit codes, [0] for float weights). Each row goes through the same tiles and FMA
+// order as the single kernel's, so it gets the same bits whatever its group's size; rows
+// past the groups are zeros. Work items are (expert, panel) pairs.
+template <Weights W>
+void RunGrouped(ffi::ThreadPool& pool, int64_t E, const int64_t* start, const int32_t* sizes,
+                int64_t K, int64_t N, const float* x, const char* w, size_t bytes,
+                const float* scale, float* y) {
+  const int64_t panels = (N + kNR - 1) / kNR;
+  xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = i / panels, p = i % panels;
+      if (sizes[e] == 0) continue;
+      Panel<W>(sizes[e], x + start[e] * K, K, w + (e * K * N + p * K * kNR) * bytes,
+               std::min(kNR, N - p * kNR), scale ? scale + e * N + p * kNR : nullptr,
+               y + start[e] * N + p * kNR, N);
+    }
+  });
+}
+
+ffi::Error DenseMatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("dense_matmul_grouped: x must be [M, K] and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  const int64_t E = static_cast<int64_t>(group_sizes.element_count());
+  if (static_cast<int64_t>(w.element_count()) != E * K * N)
+    return ffi::Error::InvalidArgument(
+        "dense_matmul_grouped: w must hold E weights of K * N values in panels");
+  const bool eight_bit = ffi::ByteWidth(w.element_type()) == 1;
+  if (static_cast<int64_t>(scale.element_count()) != (eight_bit ? E * N : 0))
+    return ffi::Error::InvalidArgument(
+        "dense_matmul_grouped: scale must be [E * N] for 8-bit weights and [0] for float ones");
+  std::vector<int64_t> bounds;  // group e: rows [bounds[e], bounds[e + 1])
+  if (auto error = xlaserve::GroupBounds("dense_matmul_grouped", group_sizes, M, bounds);
+      error.failure())
+    return error;
+  float* yp = y->typed_data();
+  xlaserve::ZeroRowsPast(yp, bounds[E], M, N);
+  if (bounds[E] == 0) return ffi::Error::Success();
+  const int32_t* sizes = group_sizes.typed_data();
+  const char* wp = static_cast<const char*>(w.untyped_data());
+  const float* xp = x.typed_data();
+  const float* sp = eight_bit ? scale.typed_data() : nullptr;
+  const int64_t* st = bounds.data();
+  switch (w.element_type()) {
+    case ffi::DataType::F32: RunGrouped<Weights::kF32>(pool, E, st, sizes, K, N, xp, wp, 4, sp, yp); break;
+    case ffi::DataType::BF16: RunGrouped<Weights::kBF16>(pool, E, st, sizes, K, N, xp, wp, 2, sp, yp); break;
+    case ffi::DataType::F16: RunGrouped<Weights::kF16>(pool, E, st, sizes, K, N, xp, wp, 2, sp, yp); break;
+    case ffi::DataType::S8: RunGrouped<Weights::kI8>(pool, E, st, sizes, K, N, xp, wp, 1, sp, yp); break;
+    case ffi::DataType::F8E4M3FN: RunGrouped<Weights::kE4M3>(pool, E, st, sizes, K, N, xp, wp, 1, sp, yp); break;
+    case ffi::DataType::F8E5M2: RunGrouped<Weights::kE5M2>(pool, E, st, sizes, K, N, xp, wp, 1, sp, yp); break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "dense_matmul_grouped: weights float32, bfloat16, float16, int8, float8_e4m3fn or "
+          "float8_e5m2");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_dense_matmul_grouped, DenseMatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_dense_matmul, DenseMatmul,
                               ffi::Ffi::Bind()

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "group_quant.h"
+#include "groups.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -219,12 +220,22 @@ void Panel(int64_t T, const int32_t* xt, const float* dx, const float* xsum, int
   });
 }
 
-// x [T, K] (T > 0) through QuantizeRows, then the panels split over the pool's threads.
-template <typename S>
-void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
-         const uint8_t* cp, const S* dp, const S* mp, float* yp) {
-  const int64_t G = K / kGroup;
-  // The calling thread's buffers, read by the pool's threads until this call returns.
+// Rows of x laid out as the tiles read them, in the calling thread's buffers (read by the
+// pool's threads until the call returns).
+struct Quantized {
+  const int32_t* xt;
+  const float* dx;
+  const float* xsum;
+};
+
+// Rows [0, bounds[E]) of x, E runs of rows end to end (run e: rows [bounds[e], bounds[e + 1]),
+// one expert's in the grouped form, all T in the single one), through QuantizeRows run by
+// run: run e's tiles are the ones Panel cuts it into, laid out from xt + bounds[e] * K / 2,
+// dx + bounds[e] * G and xsum + bounds[e] * G. Each row is rounded alone, so the same in any
+// run.
+Quantized QuantizeRuns(ffi::ThreadPool& pool, const float* x, int64_t E, const int64_t* bounds,
+                       int64_t K) {
+  const int64_t T = bounds[E], G = K / kGroup;
   thread_local std::vector<int32_t> xt;
   thread_local std::vector<float> dx, xsum;
   if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
@@ -236,13 +247,28 @@ void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N
   float* dxp = dx.data();
   float* xsp = xsum.data();
   xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
-    QuantizeRows(xp, r0, r1, T, K, xtp, dxp, xsp);
+    // the runs rows [r0, r1) meet, from the last one starting at or before r0
+    for (int64_t e = std::upper_bound(bounds, bounds + E, r0) - bounds - 1;
+         e < E && bounds[e] < r1; ++e) {
+      const int64_t s = bounds[e];
+      QuantizeRows(x + s * K, std::max(r0, s) - s, std::min(r1, bounds[e + 1]) - s,
+                   bounds[e + 1] - s, K, xtp + s * (K / 2), dxp + s * G, xsp + s * G);
+    }
   }, /*grain=*/std::max<int64_t>(1, 8192 / K));
+  return {xtp, dxp, xsp};
+}
 
+// x [T, K] (T > 0) through QuantizeRuns, then the panels split over the pool's threads.
+template <typename S>
+void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
+         const uint8_t* cp, const S* dp, const S* mp, float* yp) {
+  const int64_t G = K / kGroup;
+  const int64_t bounds[2] = {0, T};
+  const Quantized q = QuantizeRuns(pool, xp, 1, bounds, K);
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      Panel<S>(T, xtp, dxp, xsp, K, cp + p * K * kNR / 2, dp + p * G * kNR, mp + p * G * kNR,
-               yp + p * kNR, N);
+      Panel<S>(T, q.xt, q.dx, q.xsum, K, cp + p * K * kNR / 2, dp + p * G * kNR,
+               mp + p * G * kNR, yp + p * kNR, N);
   }, /*grain=*/2);
 }
 
@@ -272,12 +298,80 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   });
 }
 
+// The grouped form, a mixture-of-experts projection: rows sorted by expert, expert e's rows
+// (bounds[e] to bounds[e + 1]) against its codes and scales (cp, dp and mp hold E weights,
+// each packed as above). Each row is rounded and goes through the same tiles as in the
+// single kernel, so it gets the same bits whatever its group's size. Work items are
+// (expert, panel) pairs; experts without rows are skipped.
+template <typename S>
+void RunGrouped(ffi::ThreadPool& pool, const float* xp, int64_t E, const int64_t* bounds,
+                int64_t K, int64_t N, const uint8_t* cp, const S* dp, const S* mp, float* yp) {
+  const int64_t G = K / kGroup, panels = N / kNR;
+  const Quantized q = QuantizeRuns(pool, xp, E, bounds, K);
+  xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = i / panels, p = i % panels, s = bounds[e];
+      if (bounds[e + 1] == s) continue;
+      Panel<S>(bounds[e + 1] - s, q.xt + s * (K / 2), q.dx + s * G, q.xsum + s * G, K,
+               cp + (e * K * N + p * K * kNR) / 2, dp + (e * G * N + p * G * kNR),
+               mp + (e * G * N + p * G * kNR), yp + s * N + p * kNR, N);
+    }
+  });
+}
+
+// x [M, K], group_sizes [E], codes E * K * N, d and m E * K / 32 * N: group e's rows against
+// expert e's weight; rows past the groups are zeros.
+ffi::Error Q4MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer codes,
+                           ffi::AnyBuffer d, ffi::AnyBuffer m, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("q4_matmul_grouped: x must be [M, K] and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  const int64_t E = static_cast<int64_t>(group_sizes.element_count());
+  constexpr const char* kShapes =
+      "q4_matmul_grouped: K % 32 == 0, N % 16 == 0, E weights of K * N 4-bit codes in panels "
+      "of 16 columns, d and m E * K / 32 * N values, both float16 or both float32";
+  if (N % kNR != 0 || K % kGroup != 0 || codes.element_type() != ffi::DataType::U4 ||
+      static_cast<int64_t>(codes.element_count()) != E * K * N ||
+      static_cast<int64_t>(d.element_count()) != E * (K / kGroup) * N ||
+      static_cast<int64_t>(m.element_count()) != E * (K / kGroup) * N ||
+      d.element_type() != m.element_type())
+    return ffi::Error::InvalidArgument(kShapes);
+  std::vector<int64_t> bounds;  // group e: rows [bounds[e], bounds[e + 1])
+  if (auto error = xlaserve::GroupBounds("q4_matmul_grouped", group_sizes, M, bounds);
+      error.failure())
+    return error;
+  return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
+    using S = decltype(tag);
+    float* yp = y->typed_data();
+    xlaserve::ZeroRowsPast(yp, bounds[E], M, N);
+    if (bounds[E] > 0)
+      RunGrouped<S>(pool, x.typed_data(), E, bounds.data(), K, N,
+                    static_cast<const uint8_t*>(codes.untyped_data()),
+                    static_cast<const S*>(d.untyped_data()),
+                    static_cast<const S*>(m.untyped_data()), yp);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q4_matmul, Q4Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q4_matmul_grouped, Q4MatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

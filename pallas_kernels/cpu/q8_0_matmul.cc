@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "group_quant.h"
+#include "groups.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -169,12 +170,20 @@ void Panel(int64_t T, const int32_t* xt, const float* dx, int64_t K, const int8_
   });
 }
 
-// x [T, K] (T > 0) through QuantizeRows, then the panels split over the pool's threads.
-template <typename S>
-void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
-         const int8_t* cp, const S* dp, float* yp) {
-  const int64_t G = K / kGroup;
-  // The calling thread's buffers, read by the pool's threads until this call returns.
+// Rows of x laid out as the tiles read them, in the calling thread's buffers (read by the
+// pool's threads until the call returns).
+struct Quantized {
+  const int32_t* xt;
+  const float* dx;
+};
+
+// Rows [0, bounds[E]) of x, E runs of rows end to end (run e: rows [bounds[e], bounds[e + 1]),
+// one expert's in the grouped form, all T in the single one), through QuantizeRows run by
+// run: run e's tiles are the ones Panel cuts it into, laid out from xt + bounds[e] * K / 2
+// and dx + bounds[e] * G. Each row is rounded alone, so the same in any run.
+Quantized QuantizeRuns(ffi::ThreadPool& pool, const float* x, int64_t E, const int64_t* bounds,
+                       int64_t K) {
+  const int64_t T = bounds[E], G = K / kGroup;
   thread_local std::vector<int32_t> xt;
   thread_local std::vector<float> dx;
   if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
@@ -182,12 +191,27 @@ void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N
   int32_t* xtp = xt.data();
   float* dxp = dx.data();
   xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
-    QuantizeRows(xp, r0, r1, T, K, xtp, dxp);
+    // the runs rows [r0, r1) meet, from the last one starting at or before r0
+    for (int64_t e = std::upper_bound(bounds, bounds + E, r0) - bounds - 1;
+         e < E && bounds[e] < r1; ++e) {
+      const int64_t s = bounds[e];
+      QuantizeRows(x + s * K, std::max(r0, s) - s, std::min(r1, bounds[e + 1]) - s,
+                   bounds[e + 1] - s, K, xtp + s * (K / 2), dxp + s * G);
+    }
   }, /*grain=*/std::max<int64_t>(1, 8192 / K));
+  return {xtp, dxp};
+}
 
+// x [T, K] (T > 0) through QuantizeRuns, then the panels split over the pool's threads.
+template <typename S>
+void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
+         const int8_t* cp, const S* dp, float* yp) {
+  const int64_t G = K / kGroup;
+  const int64_t bounds[2] = {0, T};
+  const Quantized q = QuantizeRuns(pool, xp, 1, bounds, K);
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      Panel<S>(T, xtp, dxp, K, cp + p * K * kNR, dp + p * G * kNR, yp + p * kNR, N);
+      Panel<S>(T, q.xt, q.dx, K, cp + p * K * kNR, dp + p * G * kNR, yp + p * kNR, N);
   }, /*grain=*/2);
 }
 
@@ -213,12 +237,75 @@ ffi::Error Q80Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   });
 }
 
+// The grouped form, a mixture-of-experts projection: rows sorted by expert, expert e's rows
+// (bounds[e] to bounds[e + 1]) against its codes and scales (cp and dp hold E weights, each
+// packed as above). Each row is rounded and goes through the same tiles as in the single
+// kernel, so it gets the same bits whatever its group's size. Work items are (expert, panel)
+// pairs; experts without rows are skipped.
+template <typename S>
+void RunGrouped(ffi::ThreadPool& pool, const float* xp, int64_t E, const int64_t* bounds,
+                int64_t K, int64_t N, const int8_t* cp, const S* dp, float* yp) {
+  const int64_t G = K / kGroup, panels = N / kNR;
+  const Quantized q = QuantizeRuns(pool, xp, E, bounds, K);
+  xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = i / panels, p = i % panels, s = bounds[e];
+      if (bounds[e + 1] == s) continue;
+      Panel<S>(bounds[e + 1] - s, q.xt + s * (K / 2), q.dx + s * G, K,
+               cp + (e * K * N + p * K * kNR), dp + (e * G * N + p * G * kNR),
+               yp + s * N + p * kNR, N);
+    }
+  });
+}
+
+// x [M, K], group_sizes [E], codes E * K * N, d E * K / 32 * N: group e's rows against
+// expert e's weight; rows past the groups are zeros.
+ffi::Error Q80MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S8> codes,
+                            ffi::AnyBuffer d, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("q8_0_matmul_grouped: x must be [M, K] and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  const int64_t E = static_cast<int64_t>(group_sizes.element_count());
+  constexpr const char* kShapes =
+      "q8_0_matmul_grouped: K % 32 == 0, N % 16 == 0, E weights of K * N int8 codes in "
+      "panels of 16 columns, d E * K / 32 * N float16 or float32 values";
+  if (N % kNR != 0 || K % kGroup != 0 ||
+      static_cast<int64_t>(codes.element_count()) != E * K * N ||
+      static_cast<int64_t>(d.element_count()) != E * (K / kGroup) * N)
+    return ffi::Error::InvalidArgument(kShapes);
+  std::vector<int64_t> bounds;  // group e: rows [bounds[e], bounds[e + 1])
+  if (auto error = xlaserve::GroupBounds("q8_0_matmul_grouped", group_sizes, M, bounds);
+      error.failure())
+    return error;
+  return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
+    using S = decltype(tag);
+    float* yp = y->typed_data();
+    xlaserve::ZeroRowsPast(yp, bounds[E], M, N);
+    if (bounds[E] > 0)
+      RunGrouped<S>(pool, x.typed_data(), E, bounds.data(), K, N, codes.typed_data(),
+                    static_cast<const S*>(d.untyped_data()), yp);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_0_matmul, Q80Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_0_matmul_grouped, Q80MatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "groups.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -258,6 +259,56 @@ void Panel(int64_t T, const int16_t* xq, const float* xs, int64_t K, const int8_
 }
 #endif
 
+#if XLASERVE_Q8_VNNI
+using XWord = int32_t;  // what Panel reads x as: pairs of int16 values, tile by tile (PairMajor)
+#else
+using XWord = int16_t;  // the int16 values, row by row
+#endif
+constexpr int64_t kWordK = sizeof(XWord) / sizeof(int16_t);  // values of k per XWord
+
+// Rows of x as Panel reads them, in the calling thread's buffers (read by the pool's threads
+// until the call returns).
+struct Quantized {
+  const XWord* x;
+  const float* xs;
+};
+
+// Rows [0, bounds[E]) of x, E runs of rows end to end (run e: rows [bounds[e], bounds[e + 1]),
+// one expert's in the grouped form, all T in the single one), through QuantizeRows; run e's
+// rows start at x + bounds[e] * K / kWordK and xs + bounds[e], and with VNNI are laid out by
+// PairMajor in the tiles Panel cuts the run into. Each row is rounded alone, so the same in
+// any run.
+Quantized QuantizeRuns(ffi::ThreadPool& pool, const float* x, int64_t E, const int64_t* bounds,
+                       int64_t K) {
+  const int64_t T = bounds[E];
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs;
+  if (xq.size() < static_cast<size_t>(T * K)) xq.resize(T * K);
+  if (xs.size() < static_cast<size_t>(T)) xs.resize(T);
+  int16_t* xqp = xq.data();
+  float* xsp = xs.data();
+#if XLASERVE_Q8_VNNI
+  thread_local std::vector<int32_t> xt;
+  if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
+  XWord* xw = xt.data();
+#else
+  XWord* xw = xqp;
+#endif
+  xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
+    QuantizeRows(x, r0, r1, K, xqp, xsp);
+#if XLASERVE_Q8_VNNI
+    // the runs rows [r0, r1) meet, from the last one starting at or before r0
+    for (int64_t e = std::upper_bound(bounds, bounds + E, r0) - bounds - 1;
+         e < E && bounds[e] < r1; ++e) {
+      const int64_t s = bounds[e];
+      PairMajor(xqp + s * K, std::max(r0, s) - s, std::min(r1, bounds[e + 1]) - s,
+                bounds[e + 1] - s, K, xw + s * (K / 2));
+    }
+#endif
+  }, /*grain=*/std::max<int64_t>(1, 8192 / K));
+  return {xw, xsp};
+}
+
 ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                     ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -271,36 +322,57 @@ ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         "q8_matmul: K % 4 == 0, N % 16 == 0, w K * N int8 values in panels of 16 "
         "columns, scale N floats");
   if (T == 0) return ffi::Error::Success();
-  const float* xp = x.typed_data();
   const int8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
-
-  // The calling thread's buffers, read by the pool's threads until this call returns.
-  thread_local std::vector<int16_t> xq;
-  thread_local std::vector<float> xs;
-  if (xq.size() < static_cast<size_t>(T * K)) xq.resize(T * K);
-  if (xs.size() < static_cast<size_t>(T)) xs.resize(T);
-  int16_t* xqp = xq.data();
-  float* xsp = xs.data();
-#if XLASERVE_Q8_VNNI
-  thread_local std::vector<int32_t> xt;
-  if (xt.size() < static_cast<size_t>(T * K / 2)) xt.resize(T * K / 2);
-  int32_t* xrows = xt.data();
-#else
-  int16_t* xrows = xqp;
-#endif
-  xlaserve::ParallelFor(pool, T, [&](int64_t r0, int64_t r1) {
-    QuantizeRows(xp, r0, r1, K, xqp, xsp);
-#if XLASERVE_Q8_VNNI
-    PairMajor(xqp, r0, r1, T, K, xrows);
-#endif
-  }, /*grain=*/std::max<int64_t>(1, 8192 / K));
-
+  const int64_t bounds[2] = {0, T};
+  const Quantized q = QuantizeRuns(pool, x.typed_data(), 1, bounds, K);
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      Panel(T, xrows, xsp, K, wp + p * K * kNR, sp + p * kNR, yp + p * kNR, N);
+      Panel(T, q.x, q.xs, K, wp + p * K * kNR, sp + p * kNR, yp + p * kNR, N);
   }, /*grain=*/2);  // 2 panels a claim: 36-panel matmuls split evenly over two threads
+  return ffi::Error::Success();
+}
+
+// The grouped form, a mixture-of-experts projection: rows sorted by expert, group e's rows
+// (sizes[e] of them, after the groups before it) against expert e's panels (w holds E
+// weights of K * N values, each packed as above) and channel scales (scale float32[E * N]).
+// Each row is rounded and goes through the same tiles as in the single kernel, so it gets
+// the same bits whatever its group's size; rows past the groups are zeros. Work items are
+// (expert, panel) pairs; experts without rows are skipped.
+ffi::Error Q8MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S8> w,
+                           ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("q8_matmul_grouped: x must be [M, K] and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  const int64_t E = static_cast<int64_t>(group_sizes.element_count());
+  if (N % kNR != 0 || K % 4 != 0 || static_cast<int64_t>(w.element_count()) != E * K * N ||
+      static_cast<int64_t>(scale.element_count()) != E * N)
+    return ffi::Error::InvalidArgument(
+        "q8_matmul_grouped: K % 4 == 0, N % 16 == 0, w E weights of K * N int8 values in "
+        "panels of 16 columns, scale E * N floats");
+  std::vector<int64_t> bounds;  // group e: rows [bounds[e], bounds[e + 1])
+  if (auto error = xlaserve::GroupBounds("q8_matmul_grouped", group_sizes, M, bounds);
+      error.failure())
+    return error;
+  float* yp = y->typed_data();
+  xlaserve::ZeroRowsPast(yp, bounds[E], M, N);
+  if (bounds[E] == 0) return ffi::Error::Success();
+  const int8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  const Quantized q = QuantizeRuns(pool, x.typed_data(), E, bounds.data(), K);
+  const int64_t panels = N / kNR;
+  xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = i / panels, p = i % panels, s = bounds[e];
+      if (bounds[e + 1] == s) continue;
+      Panel(bounds[e + 1] - s, q.x + s * (K / kWordK), q.xs + s, K,
+            wp + (e * K * N + p * K * kNR), sp + (e * N + p * kNR), yp + s * N + p * kNR, N);
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -310,6 +382,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_matmul, Q8Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_matmul_grouped, Q8MatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,125 @@
+"""The mixture-of-experts block: a router picks each token's experts, and each expert runs
+on exactly the tokens sent to it (dropless), in shapes fixed by the step's token count.
+
+Routing is transformers' for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: router logits, a
+softmax over every expert in float32, the k largest, divided by their sum where the model
+renormalizes (`ModelConfig.norm_topk_prob`), each weight multiplying its expert's output
+(in float32 or in the activations' dtype: `MoeFamily.float32_weights`).
+
+The experts' matmuls: the step's (token, slot) pairs sorted by expert, their rows gathered,
+and one grouped matmul per projection over the sorted rows (quant/ops.grouped_matmul), so
+which experts the tokens pick never changes a shape. The outputs go back to (token, slot)
+order by the inverse permutation, a gather.
+"""
+from __future__ import annotations
+
+from functools import reduce
+from operator import add
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.layers import MLP, Linear, init, reduce_shards
+from quant import ops as quant_ops
+
+
+class ExpertLinear(nn.Module):
+    """One [in, out] kernel per expert, stacked: kernel [E, in, out]."""
+    features: int
+    num_experts: int
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, rows, group_sizes):
+        """rows [M, in] sorted by expert, group_sizes int32[E] -> [M, out]."""
+        w = self.param("kernel", init, (self.num_experts, rows.shape[-1], self.features),
+                       self.param_dtype)
+        return quant_ops.grouped_matmul(rows, w, group_sizes)
+
+
+def _route_row(logits, k: int, renormalize: bool):
+    probs = jax.nn.softmax(logits.astype(jnp.float32))
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / jnp.sum(weights)
+    return weights, experts.astype(jnp.int32)
+
+
+def route(logits, k: int, renormalize: bool):
+    """logits [T, E] -> (weights float32[T, k], experts int32[T, k]): each token's k most
+    probable experts, most probable first.
+
+    On CPUs one row at a time: XLA:CPU sums a row of [T, E] in an order that depends on T,
+    so a token's weights (and, at a near tie, its experts) would move with its batch
+    (docs/architecture.md, "Batch invariance"). Elsewhere the batched ops."""
+    one = lambda row: _route_row(row, k, renormalize)
+    return jax.lax.platform_dependent(logits, cpu=lambda l: jax.lax.map(one, l),
+                                      default=jax.vmap(one))
+
+
+def dispatch(experts, num_experts: int):
+    """experts int32[T, k] -> (order int32[T*k]: the flattened (token, slot) pairs sorted by
+    expert, token order kept within an expert; inverse int32[T*k]: where each pair went;
+    group_sizes int32[E]: how many pairs each expert got)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inverse = jnp.argsort(order).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, inverse, sizes
+
+
+def _expert_mlp(rows, sizes, lin, joined: bool, n: int, hidden: int):
+    """Every sorted row through its expert's gated MLP: rows [M, H] -> [M, H]."""
+    if joined:  # gate and up joined at load, as the dense MLP's
+        gate, up = jnp.split(lin(2 * n, "gate_up_proj")(rows, sizes), 2, axis=-1)
+    else:
+        gate, up = lin(n, "gate_proj")(rows, sizes), lin(n, "up_proj")(rows, sizes)
+    return lin(hidden, "down_proj")(nn.silu(gate) * up, sizes)
+
+
+def weighted_slots(out, weights, float32_weights: bool) -> list:
+    """out [T, k, H] (each token's experts' outputs), weights float32[T, k] -> k products
+    [T, H] in the activations' dtype, as transformers rounds them."""
+    if float32_weights:
+        prods = (out.astype(jnp.float32) * weights[..., None]).astype(out.dtype)
+    else:
+        prods = out * weights.astype(out.dtype)[..., None]
+    return [prods[:, j] for j in range(prods.shape[1])]
+
+
+def _sum_unfused(*terms):
+    """The products computed before any sum: XLA:CPU contracts `a * b + c` into an FMA in
+    some fusions and not in others, by the step's token count (layers._rotate_unfused)."""
+    return reduce(add, jax.lax.optimization_barrier(terms))
+
+
+def sum_in_order(terms: list):
+    """terms[0] + terms[1] + ..., left to right, whatever the batch."""
+    return jax.lax.platform_dependent(*terms, cpu=_sum_unfused,
+                                      default=lambda *t: reduce(add, t))
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+    axis: str | None = None  # tensor parallel: the mesh axis the partial sums meet on
+
+    @nn.compact
+    def __call__(self, x):
+        """x [T, H] -> [T, H]."""
+        cfg = self.cfg
+        T, k = x.shape[0], cfg.num_experts_per_tok
+        logits = Linear(cfg.num_experts, False, cfg.dtype, name="router")(x)
+        weights, experts = route(logits, k, cfg.norm_topk_prob)
+        order, inverse, sizes = dispatch(experts, cfg.num_experts)
+        lin = lambda n, name: ExpertLinear(n, cfg.num_experts, cfg.dtype, name=name)
+        out = _expert_mlp(x[order // k], sizes, lin, self.has_variable("params", "gate_up_proj"),
+                          cfg.moe_intermediate_size, cfg.hidden_size)
+        terms = weighted_slots(out[inverse].reshape(T, k, -1), weights,
+                               cfg.moe_family.float32_weights)
+        if cfg.shared_expert_intermediate_size:
+            shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
+            gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)
+            terms.append(nn.sigmoid(gate) * shared)
+        return reduce_shards(sum_in_order(terms), self.axis)
