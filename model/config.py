@@ -93,6 +93,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     norm_topk_prob: bool = False  # the top-k weights divided by their sum
     moe_layers: tuple[bool, ...] = ()
+    # Expert parallel (--enable-expert-parallel): the experts split whole over this many
+    # devices, each holding num_experts // expert_shards of them (model/sharding.py).
+    expert_shards: int = 1
 
     @property
     def q_size(self) -> int:
@@ -108,6 +111,10 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_shards
 
     @property
     def uniform_layers(self) -> bool:

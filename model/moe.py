@@ -10,6 +10,10 @@ The experts' matmuls: the step's (token, slot) pairs sorted by expert, their row
 and one grouped matmul per projection over the sorted rows (quant/ops.grouped_matmul), so
 which experts the tokens pick never changes a shape. The outputs go back to (token, slot)
 order by the inverse permutation, a gather.
+
+Tensor parallel (model/sharding.py): each expert's matmuls split like the dense MLP's, or,
+expert parallel, each device holds whole experts and computes only their (token, slot)
+pairs; either way the devices' partial sums meet in one psum at the end.
 """
 from __future__ import annotations
 
@@ -70,6 +74,15 @@ def dispatch(experts, num_experts: int):
     return order, inverse, sizes
 
 
+def local_expert_ids(experts, local: int, shard):
+    """Expert parallel: global expert ids -> this shard's (experts [shard * local, (shard + 1)
+    * local) as 0 .. local - 1), every other expert as `local`, a group sorted after this
+    shard's: its rows lie past the groups the grouped matmul computes, so they come out zero
+    and the psum over shards adds each (token, expert) pair's output once."""
+    ids = experts - shard * local
+    return jnp.where((ids >= 0) & (ids < local), ids, local).astype(jnp.int32)
+
+
 def _expert_mlp(rows, sizes, lin, joined: bool, n: int, hidden: int):
     """Every sorted row through its expert's gated MLP: rows [M, H] -> [M, H]."""
     if joined:  # gate and up joined at load, as the dense MLP's
@@ -112,8 +125,13 @@ class MoE(nn.Module):
         T, k = x.shape[0], cfg.num_experts_per_tok
         logits = Linear(cfg.num_experts, False, cfg.dtype, name="router")(x)
         weights, experts = route(logits, k, cfg.norm_topk_prob)
-        order, inverse, sizes = dispatch(experts, cfg.num_experts)
-        lin = lambda n, name: ExpertLinear(n, cfg.num_experts, cfg.dtype, name=name)
+        local = cfg.local_experts
+        if local < cfg.num_experts:  # expert parallel: this shard's experts alone
+            experts = local_expert_ids(experts, local, jax.lax.axis_index(self.axis))
+        order, inverse, sizes = dispatch(experts, local + 1 if local < cfg.num_experts
+                                         else local)
+        sizes = sizes[:local]
+        lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, name=name)
         out = _expert_mlp(x[order // k], sizes, lin, self.has_variable("params", "gate_up_proj"),
                           cfg.moe_intermediate_size, cfg.hidden_size)
         terms = weighted_slots(out[inverse].reshape(T, k, -1), weights,

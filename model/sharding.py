@@ -4,7 +4,9 @@ Megatron's split (docs/architecture.md, "Tensor parallelism"): q/k/v are column-
 head and gate/up by intermediate unit, o and down row-parallel (their partial sums meet in
 one psum each, in model/transformer.py), the embedding table and the head by vocabulary row
 (the vocabulary padded to a multiple of the size). With fewer KV heads than devices each
-device holds the one KV head its query heads read (vLLM's replication).
+device holds the one KV head its query heads read (vLLM's replication). A mixture of
+experts splits every expert like the MLP, or, expert parallel (`cfg.expert_shards`), gives
+each device whole experts; its router is replicated (model/moe.py).
 
 Each device's block is cut from the stored tree (`shard_stored`) and prepared on its device
 as a whole model of its own (model/runtime_params.py: per-layer buffers, q/k/v and gate/up
@@ -41,22 +43,43 @@ class TensorParallelError(ValueError):
 def valid_sizes(cfg: ModelConfig) -> list[int]:
     """Tensor-parallel sizes the model splits into: n divides the query heads and the
     intermediate size, and either n divides the KV heads or the KV heads divide n (so each
-    device's query heads read whole KV heads of their own)."""
+    device's query heads read whole KV heads of their own). A mixture of experts also needs
+    n to divide each expert's intermediate size, or, expert parallel
+    (cfg.expert_shards > 1), the number of experts; and its shared expert's size."""
     k = cfg.num_kv_heads
     return [n for n in range(1, cfg.num_heads + 1)
-            if cfg.num_heads % n == 0 and cfg.intermediate_size % n == 0
-            and (k % n == 0 or n % k == 0)]
+            if cfg.num_heads % n == 0 and (k % n == 0 or n % k == 0)
+            and all(size % n == 0 for size in _split_sizes(cfg))]
+
+
+def _split_sizes(cfg: ModelConfig) -> list[int]:
+    """The sizes a tensor-parallel split divides, besides the heads."""
+    sizes = [cfg.intermediate_size] if not all(cfg.moe_layers or (False,)) else []
+    if cfg.num_experts:
+        sizes.append(cfg.num_experts if cfg.expert_shards > 1 else cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        sizes.append(cfg.shared_expert_intermediate_size)
+    return sizes
 
 
 def check_size(cfg: ModelConfig, n: int, num_devices: int | None = None) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    if cfg.expert_shards not in (1, n):
+        raise TensorParallelError(f"experts split over {cfg.expert_shards} devices but "
+                                  f"tensor_parallel_size is {n}")
     sizes = valid_sizes(cfg)
     if n not in sizes:
+        experts = ""
+        if cfg.num_experts:
+            experts = (f", {cfg.num_experts} experts (expert parallel)" if cfg.expert_shards > 1
+                       else f", expert intermediate size {cfg.moe_intermediate_size}")
+            if cfg.shared_expert_intermediate_size:
+                experts += f", shared expert size {cfg.shared_expert_intermediate_size}"
         raise TensorParallelError(
             f"tensor_parallel_size {n} does not split this model ({cfg.num_heads} query "
             f"heads, {cfg.num_kv_heads} KV heads, intermediate size "
-            f"{cfg.intermediate_size}); sizes that work: {', '.join(map(str, sizes))}")
+            f"{cfg.intermediate_size}{experts}); sizes that work: {', '.join(map(str, sizes))}")
     if num_devices is not None and n > num_devices:
         raise TensorParallelError(f"tensor_parallel_size {n} needs {n} devices; "
                                   f"{num_devices} found")
@@ -69,8 +92,11 @@ def local_kv_heads(cfg: ModelConfig, n: int) -> int:
 def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
     """The model one shard computes: its heads and intermediate units (the vocabulary size
     stays the model's: logits are gathered before anything reads it)."""
+    ep = cfg.expert_shards > 1
     return replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=local_kv_heads(cfg, n),
-                   intermediate_size=cfg.intermediate_size // n)
+                   intermediate_size=cfg.intermediate_size // n,
+                   moe_intermediate_size=cfg.moe_intermediate_size // (1 if ep else n),
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n)
 
 
 def padded_vocab(cfg: ModelConfig, n: int) -> int:
@@ -127,23 +153,30 @@ def _cut_grouped(leaf, axis: int, start: int, stop: int):
 
 
 def _ranges(cfg: ModelConfig, n: int, shard: int) -> dict:
-    """module -> (start, stop) of this shard's columns (or rows) of that module's weights."""
+    """module -> (start, stop) of this shard's columns (or rows) of that module's weights;
+    "experts" of a mixture's routed experts (expert parallel: its experts)."""
     d, i = cfg.head_dim, cfg.intermediate_size // n
     q = cfg.num_heads // n * d
     kv0, kv = _kv_head_start(cfg, n, shard) * d, local_kv_heads(cfg, n) * d
     v = padded_vocab(cfg, n) // n
+    e = (cfg.num_experts // n if cfg.expert_shards > 1 else cfg.moe_intermediate_size // n)
+    s = cfg.shared_expert_intermediate_size // n
     return {"q_proj": (shard * q, (shard + 1) * q), "k_proj": (kv0, kv0 + kv),
             "v_proj": (kv0, kv0 + kv), "o_proj": (shard * q, (shard + 1) * q),
-            "gate_proj": (shard * i, (shard + 1) * i), "up_proj": (shard * i, (shard + 1) * i),
-            "down_proj": (shard * i, (shard + 1) * i), "vocab": (shard * v, (shard + 1) * v)}
+            "mlp": (shard * i, (shard + 1) * i), "vocab": (shard * v, (shard + 1) * v),
+            "experts": (shard * e, (shard + 1) * e), "shared_expert": (shard * s, (shard + 1) * s)}
 
 
 ROW_PARALLEL = ("o_proj", "down_proj")
+# A mixture's router and shared-expert gate: every shard computes the whole routing.
+REPLICATED = ("router", "shared_expert_gate")
 
 
 def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
-    """The stored tree (layers stacked) -> this shard's stored tree. Row-parallel biases are
-    kept on shard 0 alone (zeros elsewhere): the psum adds them once."""
+    """The stored tree (layers stacked, or a list of per-layer trees) -> this shard's stored
+    tree. Row-parallel biases are kept on shard 0 alone (zeros elsewhere): the psum adds
+    them once. Expert parallel, a layer's expert kernels [.., E, in, out] are cut whole by
+    expert."""
     ranges = _ranges(cfg, n, shard)
 
     def one(path, leaf):
@@ -153,15 +186,26 @@ def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
         if names == ("lm_head", "kernel"):
             return _cut(leaf, -1, *ranges["vocab"])
         module = names[-2] if len(names) >= 2 else ""
-        if module not in ranges:
+        if module in REPLICATED or not (module in ranges or module.endswith("_proj")):
             return leaf  # norms: every shard needs all of them
+        span = _span(names, module, ranges)
+        if "moe" in names and "shared_expert" not in names and cfg.expert_shards > 1:
+            return _cut(leaf, -3, *span)
         if module in ROW_PARALLEL:
             if names[-1] == "bias":
                 return leaf if shard == 0 else jnp.zeros_like(leaf)
-            return _cut(leaf, -2, *ranges[module])
-        return _cut(leaf, -1, *ranges[module])
+            return _cut(leaf, -2, *span)
+        return _cut(leaf, -1, *span)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
+
+
+def _span(names: tuple, module: str, ranges: dict) -> tuple[int, int]:
+    if "shared_expert" in names:
+        return ranges["shared_expert"]
+    if "moe" in names:
+        return ranges["experts"]
+    return ranges["mlp"] if names[-3] == "mlp" else ranges[module]
 
 
 def mesh_devices(mesh) -> list:

@@ -6,6 +6,8 @@ named by `batch.logits_indices` and the cache with this step's keys and values w
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -134,6 +136,7 @@ def abstract_params(cfg: ModelConfig):
 
 
 def _init(cfg: ModelConfig, key):
+    cfg = replace(cfg, expert_shards=1)  # a stored tree holds every expert
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     batch = Batch(*(jnp.zeros((1,), jnp.int32) for _ in range(4)),
                   jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))

@@ -85,6 +85,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over the first N devices (tensor parallel; N must "
                         "divide the query heads, start-up lists the sizes that work)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture-of-experts model: split the experts whole over the "
+                        "tensor-parallel devices (N must divide the experts) instead of "
+                        "splitting each expert's matmuls")
     p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
                    help="several processes, one model: process 0's address (jax.distributed; "
                         "the step channel uses PORT+1 too)")
@@ -162,6 +166,7 @@ def _engine_config(args) -> EngineConfig:
                   enable_prefix_caching=args.enable_prefix_caching,
                   speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size,
+                  enable_expert_parallel=args.enable_expert_parallel,
                   coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id,
                   task=args.task, runner=args.runner, pooler_config=args.pooler_config,

@@ -174,3 +174,45 @@ def test_engine_refuses_a_model_that_cannot_fit_before_allocating_a_cache(tiny_d
     error, allocated = _gpu_like_engine(tiny_dir, monkeypatch, 600 << 10)
     assert isinstance(error, MemoryPlanError) and "does not fit" in str(error)
     assert max(allocated, default=0) <= 1  # init_params' one-page example cache at most
+
+
+def moe_weight_bytes(h, v, layers, heads, kv_heads, head_dim, experts, expert_size,
+                     qk_norm: bool, bytes_per_weight: float) -> float:
+    """A mixture of experts' weights by hand: every expert counted, not only the active
+    ones (and the router, norms, embedding and head, kept in bfloat16)."""
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+    moe = experts * 3 * h * expert_size
+    matmul = layers * (attn + moe) * bytes_per_weight
+    small = 2 * (layers * (h * experts + 2 * h + (2 * head_dim if qk_norm else 0))
+                 + 2 * v * h + h)
+    return matmul + small
+
+
+@pytest.mark.parametrize("name, quantize", [("mixtral-8x7b", None), ("qwen3-30b-a3b", None),
+                                            ("qwen3-30b-a3b", "fp8")])
+def test_moe_models_plan_on_one_h200(name, quantize):
+    """Mixtral-8x7B in bfloat16 and Qwen3-30B-A3B in bfloat16 and fp8 fit one H200 with a
+    KV cache for their whole context; the plan counts all experts' weights."""
+    from model.checkpoint import param_bytes
+    from model.transformer import abstract_params
+    from quant.recipe import abstract_quantized
+    from serving.engine.tp_lowering import MODELS
+    cfg = MODELS[name]()
+    abstract = abstract_params(cfg)
+    if quantize:
+        abstract = abstract_quantized(abstract, quantize)
+    weights = param_bytes(abstract)
+    if name == "mixtral-8x7b":
+        want = moe_weight_bytes(4096, 32000, 32, 32, 8, 128, 8, 14336, False, 2)
+    else:
+        want = moe_weight_bytes(2048, 151936, 48, 32, 4, 128, 128, 768, True,
+                                1 if quantize else 2)
+    # fp8 adds a scale per tensor: within 0.01% of the codes alone
+    assert abs(weights - want) < 1e-4 * want, (weights, want)
+    page = bytes_per_page(cfg, 16)
+    plan = plan_memory(device_bytes=H200_BYTES, weight_bytes=weights, activation_bytes=3 * GIB,
+                       page_bytes=page, page_size=16, model_max_len=cfg.max_position_embeddings)
+    assert plan.max_model_len == cfg.max_position_embeddings
+    assert plan.max_concurrency >= 1
+    used = weights + 3 * GIB + plan.kv_cache_bytes
+    assert plan.budget_bytes - page < used <= plan.budget_bytes

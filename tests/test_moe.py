@@ -34,6 +34,7 @@ VARIANTS = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}),
 # through the executable cache.
 OPTIONS = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16, page_size=PAGE,
                token_buckets=(16,), request_buckets=(4,), page_buckets=(24,), progress=False)
+DEFAULT_BUCKETS = {k: v for k, v in OPTIONS.items() if not k.endswith("_buckets")}
 PROMPTS = [[5], list(range(10, 17)), [(7 * i) % 200 + 3 for i in range(23)],
            [(13 * i) % 205 + 3 for i in range(60)]]
 MAX_TOKENS = 8
@@ -81,9 +82,10 @@ def test_logits_match_transformers(variant):
 
 
 def test_greedy_tokens_match_transformers(variant):
-    """Prompts of 1 to 60 tokens, batched, prefilled in chunks of at most 16 tokens."""
+    """Prompts of 1 to 60 tokens, batched, prefilled in chunks of at most 16 tokens, with the
+    default buckets (every token count a step may have)."""
     name, model, folder = variant
-    llm = LLM(str(folder), **OPTIONS)
+    llm = LLM(str(folder), **DEFAULT_BUCKETS)
     ours = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
     assert ours == [greedy_reference(model, p, MAX_TOKENS) for p in PROMPTS]
 
@@ -232,3 +234,27 @@ def test_refused_in_a_folder_and_missing_experts_named(qwen2_moe, tmp_path):
     save_file(tensors, bad / "model.safetensors")
     with pytest.raises(WeightsError, match=r"moe/up_proj/kernel \(layers \[2\], experts \[3\]\)"):
         load_model(bad, progress=False)
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int4", "fp8"])
+def test_quantized_experts_have_scales_of_their_own(tmp_path, recipe):
+    """--quantize quantizes every expert as if it were a layer's weight alone (its own
+    per-channel, per-tensor or per-group scales); the router and the shared expert's gate
+    stay float."""
+    from quant.recipe import quantize_params
+    folder = tmp_path / "moe"
+    tiny_hf_model("qwen2_moe", folder, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=64)
+    _, floats = load_model(folder, progress=False)
+    _, params = load_model(folder, progress=False, quantize=recipe)
+    moe, float_moe = _moe_params(params, 0), _moe_params(floats, 0)
+    for name in ("router", "shared_expert_gate"):
+        assert np.asarray(moe[name]["kernel"]).dtype == np.float32
+    for proj in ("gate_proj", "down_proj"):
+        stacked = jax.tree.map(np.asarray, moe[proj]["kernel"])
+        for e in range(4):
+            alone = quantize_params({"layers": {"x": {"kernel": float_moe[proj]["kernel"][e]}}},
+                                    recipe)["layers"]["x"]["kernel"]
+            for got, want in zip(jax.tree.leaves(jax.tree.map(lambda a: a[e], stacked)),
+                                 jax.tree.leaves(alone)):
+                np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"{proj} {e}")

@@ -9,6 +9,7 @@ The engines run in one child process (tests/tp_child.py) started with
 --xla_force_host_platform_device_count, which must not reach this session."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from model.config import ModelConfig
-from model.sharding import TensorParallelError, valid_sizes
+from model.sharding import TensorParallelError, check_size, valid_sizes
 from serving import LLM
 from serving.cli import main
 from tests.demo_engine import demo_llm
@@ -53,6 +54,11 @@ def models(tmp_path_factory):
     made["llama-gguf"], _ = write_gguf(model, "llama", root / "llama.gguf", {
         "attn_q": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_down": Q.Q4_0,
         "blk.1.ffn_down": Q.Q5_0, "token_embd": Q.Q8_0, "output": Q.Q8_0})
+    # mixtures of experts: 4 experts split 2 and 4 ways, or each expert's 40 (Qwen2-MoE's
+    # shared expert 56) intermediate units; Qwen2-MoE mixes in a dense layer
+    for family in ("qwen2_moe", "qwen3_moe"):
+        made[family] = root / family
+        tiny_hf_model(family, made[family], seed=1)
     return made
 
 
@@ -73,6 +79,14 @@ def cases(models, demo_checkpoint) -> dict:
                            options=dict(cpu, quantize="int4:lm_head"), kv_heads=1),
         "llama-gguf": dict(model=str(models["llama-gguf"]), sizes=[1, 2], options=cpu,
                            kv_heads=1),
+        "qwen2-moe": dict(model=str(models["qwen2_moe"]), sizes=[1, 2, 4],
+                          options=dict(cpu, quantize="none"), kv_heads=1),
+        "qwen2-moe-expert-parallel": dict(
+            model=str(models["qwen2_moe"]), sizes=[1, 2, 4], kv_heads=1,
+            options=dict(cpu, quantize="none", enable_expert_parallel=True)),
+        "qwen3-moe-int8-expert-parallel": dict(
+            model=str(models["qwen3_moe"]), sizes=[1, 2], kv_heads=1,
+            options=dict(cpu, quantize="int8", enable_expert_parallel=True)),
         # 9 heads, 3 KV heads; TP=1 is the session's shared demo engine (tests/demo_engine.py,
         # its checkpoint as converted), which other modules reuse.
         "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
@@ -94,7 +108,8 @@ def results(models, demo_checkpoint, tmp_path_factory):
 
 
 CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
-         "llama-gguf", "demo")
+         "llama-gguf", "qwen2-moe", "qwen2-moe-expert-parallel",
+         "qwen3-moe-int8-expert-parallel", "demo")
 
 
 def demo_tp1(checkpoint) -> dict:
@@ -103,7 +118,8 @@ def demo_tp1(checkpoint) -> dict:
     return {"tokens": [r.token_ids for r in results],
             "logprobs": [[lp.logprob for lp in r.logprobs] if r.logprobs else None
                          for r in results],
-            "programs": None, "mesh": 1, "device_weight_bytes": llm.engine.weight_bytes}
+            "programs": None, "mesh": 1, "device_weight_bytes": llm.engine.weight_bytes,
+            "experts_per_device": 0}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -121,6 +137,9 @@ def test_tokens_and_logprobs_equal_tp1(results, name, demo_checkpoint):
         if one["programs"] is not None:  # the shared demo engine has buckets of its own
             assert tp["programs"] == one["programs"]
         assert tp["kv_heads_per_device"] == case["kv_heads"]
+        experts = one["experts_per_device"]
+        ep = case["options"].get("enable_expert_parallel")
+        assert tp["experts_per_device"] == (experts // int(n) if ep else experts)
         # Each device holds its share of the weights; norms are whole on each, and with
         # fewer KV heads than devices so are its KV heads' k/v projections.
         share = one["device_weight_bytes"] / int(n)
@@ -144,6 +163,28 @@ def test_sizes_that_do_not_split_the_model_are_refused_before_loading(models):
 def test_serve_with_a_size_that_does_not_split_exits_with_the_sizes(models, capsys):
     assert main(["serve", str(models["qwen3"]), "--tensor-parallel-size", "5"]) == 1
     assert "sizes that work: 1, 2, 4, 8" in capsys.readouterr().err
+
+
+def test_expert_counts_that_do_not_split_are_refused(models):
+    """Expert parallel, N must divide the experts (and the shared expert's size); without
+    it, each expert's intermediate size."""
+    hf = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=64, hidden_size=64,
+              intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+              moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    cfg = ModelConfig.from_hf(hf)
+    assert valid_sizes(cfg) == [1, 2, 4, 8]
+    ep = dataclasses.replace(cfg, expert_shards=4)
+    assert valid_sizes(ep) == [1, 2]
+    with pytest.raises(TensorParallelError, match=r"6 experts \(expert parallel\).*"
+                                                  r"sizes that work: 1, 2$"):
+        check_size(ep, 4)
+    with pytest.raises(ValueError, match="--enable-expert-parallel is for mixture-of-experts"):
+        LLM(str(models["llama"]), tensor_parallel_size=2, enable_expert_parallel=True,
+            progress=False)
+    with pytest.raises(TensorParallelError, match="sizes that work: 1, 2, 4$"):
+        LLM(str(models["qwen2_moe"]), tensor_parallel_size=3, enable_expert_parallel=True,
+            progress=False)
 
 
 def test_demo_model_sizes():

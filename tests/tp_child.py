@@ -52,6 +52,7 @@ def run_case(case: dict) -> dict:
             "programs": engine.warmup_report.programs,
             "mesh": engine.placement.size,
             "kv_heads_per_device": engine.placement.model_cfg.num_kv_heads,
+            "experts_per_device": engine.placement.model_cfg.local_experts,
             "device_weight_bytes": engine.device_weight_bytes(),
             "weight_bytes": engine.weight_bytes,
             "seconds": round(time.perf_counter() - started, 1),

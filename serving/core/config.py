@@ -58,6 +58,9 @@ class EngineConfig:
     speculative_config: str | dict | None = None
     # devices one model is split over (tensor parallel, docs/architecture.md): the first N
     tensor_parallel_size: int = 1
+    # a mixture of experts' experts split whole over those devices rather than each expert
+    # split like the MLP (vLLM's --enable-expert-parallel; model/sharding.py)
+    enable_expert_parallel: bool = False
     # several processes, one model (jax.distributed's names; serving/engine/multiprocess.py):
     # process 0's HOST:PORT, how many processes, and this one's id (0 serves HTTP)
     coordinator_address: str | None = None

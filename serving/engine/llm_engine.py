@@ -94,11 +94,14 @@ class LLMEngine:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model, ec.tokenizer)
         mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
-                                        every_device=self.cluster is not None)
+                                        every_device=self.cluster is not None,
+                                        expert_parallel=ec.enable_expert_parallel)
         DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
         self.cfg, params = load_weights(self.model_dir, ec, dtype)
+        self.cfg = mesh.with_expert_parallel(self.cfg, ec.tensor_parallel_size,
+                                             ec.enable_expert_parallel)
         self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
         self.tokenizer = load_tokenizer(ec.tokenizer or self.model_dir)
         # --task embed: pooler and model facts (a bad --pooler-config fails here)

@@ -9,6 +9,8 @@ takes the whole tree and runs the model of one shard (model/sharding.py) on each
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from functools import partial
 
@@ -190,7 +192,18 @@ def log_devices(where, params, cache) -> None:
                      where.model_cfg.num_heads)
 
 
-def check_tensor_parallel_size(model_dir, n: int, every_device: bool = False) -> None:
+def with_expert_parallel(cfg: ModelConfig, n: int, enabled: bool) -> ModelConfig:
+    """--enable-expert-parallel: the config whose experts split whole over the n devices."""
+    if not enabled:
+        return cfg
+    if not cfg.num_experts:
+        raise ValueError(f"--enable-expert-parallel is for mixture-of-experts models; "
+                         f"{cfg.architecture} has no experts")
+    return dataclasses.replace(cfg, expert_shards=n)
+
+
+def check_tensor_parallel_size(model_dir, n: int, every_device: bool = False,
+                               expert_parallel: bool = False) -> None:
     """Before any weight loads: a size the model does not split into, or more devices than
     there are, is an error naming the sizes that work. every_device: several processes,
     whose devices all hold a part of the model."""
@@ -199,6 +212,7 @@ def check_tensor_parallel_size(model_dir, n: int, every_device: bool = False) ->
             f"with several processes the model is split over all {jax.device_count()} "
             f"devices ({jax.local_device_count()} in this process): tensor_parallel_size "
             f"must be {jax.device_count()}, got {n}")
+    cfg = with_expert_parallel(ModelConfig.from_dir(model_dir), n, expert_parallel)
     if n == 1:
         return
-    sharding.check_size(ModelConfig.from_dir(model_dir), n, len(jax.devices()))
+    sharding.check_size(cfg, n, len(jax.devices()))

@@ -43,6 +43,31 @@ def llama_8b() -> ModelConfig:
         dtype="bfloat16")
 
 
+def mixtral_8x7b() -> ModelConfig:
+    """Mixtral-8x7B-Instruct-v0.1's shapes: 8 experts of 14336, 2 a token."""
+    return ModelConfig.from_hf(dict(
+        architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+        torch_dtype="bfloat16"))
+
+
+def qwen3_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B's shapes: 128 experts of 768, 8 a token, in all 48 layers."""
+    return ModelConfig.from_hf(dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        torch_dtype="bfloat16"))
+
+
+MODELS = {"llama-3.1-8b": llama_8b, "mixtral-8x7b": mixtral_8x7b,
+          "qwen3-30b-a3b": qwen3_30b_a3b}
+
+
 @dataclass
 class Collective:
     op: str  # e.g. "all_reduce"
@@ -151,7 +176,13 @@ def describe(r: StepReport) -> str:
     ar, ag = r.count("all_reduce"), r.count("all_gather")
     others = len(r.collectives) - ar - ag
     sizes = sorted({(c.op, c.shape, c.dtype, c.bytes) for c in r.collectives})
+    experts = ""
+    if r.cfg.num_experts:
+        experts = (f", {r.cfg.num_experts // r.cfg.expert_shards} of {r.cfg.num_experts} "
+                   "experts per device (expert parallel)" if r.cfg.expert_shards > 1 else
+                   f", each of {r.cfg.num_experts} experts split {r.tp} ways")
     lines = [
+        f"{r.cfg.architecture}{experts}",
         f"TP={r.tp}, step of {r.shape[0]} tokens / {r.shape[1]} requests / {r.shape[2]} "
         f"pages per request, lowered for CUDA on {r.tp} x NVIDIA H200 (abstract mesh)",
         f"  all-reduces: {ar} = {(ar - 1) / L:g} per layer x {L} layers + "
