@@ -44,13 +44,15 @@ CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "fp8-channel": ("llama-panels", "float32", "fp8:channel"),
     "int4": ("llama-int4", "float32", "int4:lm_head"),  # the demo's CPU default recipe
     "sliding-window": ("mistral", "bfloat16", None),
+    "moe-float32": ("moe", "float32", None),
     "moe-bfloat16": ("moe", "bfloat16", None),
     "moe-int8": ("moe", "float32", "int8"),
     "moe-int4": ("moe", "float32", "int4:lm_head"),
     "moe-fp8": ("moe", "float32", "fp8"),
 }
 # MoE case -> the grouped kernel its experts run on (quant/packed_experts.py)
-EXPERT_KINDS = {"moe-bfloat16": "dense", "moe-int8": "q8", "moe-int4": "q4", "moe-fp8": "dense"}
+EXPERT_KINDS = {"moe-float32": "dense", "moe-bfloat16": "dense", "moe-int8": "q8",
+                "moe-int4": "q4", "moe-fp8": "dense"}
 
 
 @pytest.fixture(scope="module")
