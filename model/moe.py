@@ -43,24 +43,24 @@ class ExpertLinear(nn.Module):
         return quant_ops.grouped_matmul(rows, w, group_sizes)
 
 
-def _route_row(logits, k: int, renormalize: bool):
-    probs = jax.nn.softmax(logits.astype(jnp.float32))
-    weights, experts = jax.lax.top_k(probs, k)
-    if renormalize:
-        weights = weights / jnp.sum(weights)
-    return weights, experts.astype(jnp.int32)
+def _sum_columns(x):
+    """x [T, n] -> [T]: column 0 + column 1 + ..., left to right, the same order whatever T
+    is (XLA:CPU's row reduction of [T, n] picks an order by T)."""
+    return reduce(add, [x[:, j] for j in range(x.shape[1])])
 
 
 def route(logits, k: int, renormalize: bool):
     """logits [T, E] -> (weights float32[T, k], experts int32[T, k]): each token's k most
-    probable experts, most probable first.
-
-    On CPUs one row at a time: XLA:CPU sums a row of [T, E] in an order that depends on T,
-    so a token's weights (and, at a near tie, its experts) would move with its batch
-    (docs/architecture.md, "Batch invariance"). Elsewhere the batched ops."""
-    one = lambda row: _route_row(row, k, renormalize)
-    return jax.lax.platform_dependent(logits, cpu=lambda l: jax.lax.map(one, l),
-                                      default=jax.vmap(one))
+    probable experts, most probable first. Softmax in float32 as transformers computes it,
+    its sums in a fixed order so a token's weights (and, at a near tie, its experts) do not
+    move with its batch (docs/architecture.md, "Batch invariance")."""
+    logits = logits.astype(jnp.float32)
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = e / _sum_columns(e)[:, None]
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / _sum_columns(weights)[:, None]
+    return weights, experts.astype(jnp.int32)
 
 
 def dispatch(experts, num_experts: int):

@@ -10,6 +10,14 @@ the engine does. Sampling is not included.
     python scripts/bench_step.py --shapes 1x1x16,64x64x16 --attention-backend reference
     python scripts/bench_step.py --no-attention        # the matmuls and the rest alone
     python scripts/bench_step.py --shapes 64x64x16 --profile   # where a step's time goes
+    python scripts/bench_step.py --moe-like 8,2      # dense vs MoE of equal active size
+
+--moe-like E,K times random float32 weights twice, prepared as the engine prepares them (CPU
+kernels packed, experts for the grouped kernels): the model's own shape (dense), and the same
+model with every MLP replaced by E experts, each token to K of them, each expert
+intermediate_size // K wide (Mixtral's routing; the attention, embedding and head
+unchanged), so both compute the same active parameters per token. For the demo model and
+8,2: 8 experts of 768, two active = its MLP of 1536.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -33,9 +42,10 @@ import numpy as np  # noqa: E402
 from model.attention import resolve_backend  # noqa: E402
 from model.batch import Batch  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
 from model.kv_cache import KVCache  # noqa: E402
 from model.runtime_params import prepare_params  # noqa: E402
-from model.transformer import forward  # noqa: E402
+from model.transformer import forward, init_params  # noqa: E402
 from serving.engine.sizing import resolve_model_dir  # noqa: E402
 
 
@@ -82,6 +92,110 @@ def profile(program, params, cache, batch, repeats: int):
     return {k: v / repeats for k, v in totals.most_common()}, cache
 
 
+def moe_like(cfg: ModelConfig, experts: int, top_k: int) -> ModelConfig:
+    """cfg with every MLP a mixture of `experts`, `top_k` per token, each expert
+    intermediate_size // top_k wide: the same active parameters per token."""
+    if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        raise SystemExit(f"--moe-like takes a Llama or Mistral model, not {cfg.architecture}")
+    if cfg.intermediate_size % top_k:
+        raise SystemExit(f"intermediate_size {cfg.intermediate_size} is not a multiple of "
+                         f"top-{top_k}")
+    return replace(cfg, architecture="MixtralForCausalLM", num_experts=experts,
+                   num_experts_per_tok=top_k, moe_intermediate_size=cfg.intermediate_size
+                   // top_k, norm_topk_prob=True, moe_layers=(True,) * cfg.num_layers)
+
+
+class Stepper:
+    """One model's compiled steps over its own paged cache (donated, as the engine does)."""
+
+    def __init__(self, cfg, params, shapes, backend: str, args):
+        self.params, self.args = params, args
+        self.num_pages = 1 + max(R * P for _, R, P in shapes)
+        self.cache = KVCache.zeros(cfg, self.num_pages, args.page_size, args.kv_cache_dtype)
+        self.step = jax.jit(partial(forward, cfg=cfg, backend=backend), donate_argnums=(1,))
+        self.rng = np.random.default_rng(0)
+
+    def compile(self, shape):
+        """-> (program, batch, compile seconds), the program run once."""
+        T, R, P = shape
+        batch = step_batch(T, R, P, self.args.page_size, self.num_pages, self.args.context,
+                           self.rng)
+        started = time.perf_counter()
+        program = self.step.lower(self.params, self.cache, batch).compile()
+        compile_s = time.perf_counter() - started
+        self.run(program, batch)
+        return program, batch, compile_s
+
+    def run(self, program, batch) -> float:
+        started = time.perf_counter()
+        logits, self.cache = program(self.params, self.cache, batch)
+        logits.block_until_ready()
+        return time.perf_counter() - started
+
+    def profile(self, program, batch, shape, label: str = "") -> None:
+        by_op, self.cache = profile(program, self.params, self.cache, batch, self.args.repeats)
+        shown = {k: v for k, v in by_op.items() if v >= 0.05}
+        print(f"  {label}{'x'.join(map(str, shape))} by op, ms per step (summed over XLA's "
+              f"threads: {sum(by_op.values()):.1f}): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
+
+
+HEADER = ("| tokens | rows | pages | compile (s) | best (ms) | median (ms) | tokens/s |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def row(shape, compile_s: float, times: list[float]) -> str:
+    best, median = min(times), float(np.median(times))
+    return (f"| {' | '.join(map(str, shape))} | {compile_s:.1f} | {best * 1e3:.1f} | "
+            f"{median * 1e3:.1f} | {shape[0] / best:.0f} |")
+
+
+def bench(cfg, params, shapes, backend: str, args) -> None:
+    """One model: a table row per shape."""
+    stepper = Stepper(cfg, params, shapes, backend, args)
+    print(HEADER)
+    for shape in shapes:
+        program, batch, compile_s = stepper.compile(shape)
+        times = [stepper.run(program, batch) for _ in range(args.repeats)]
+        print(row(shape, compile_s, times), flush=True)
+        if args.profile:
+            stepper.profile(program, batch, shape)
+
+
+def bench_pair(models: dict, shapes, backend: str, args) -> None:
+    """Two models' steps timed in turns, shape by shape, so that a load that comes and goes
+    on a shared machine falls on both alike; a table per model, then their ratio."""
+    steppers = {name: Stepper(cfg, params, shapes, backend, args)
+                for name, (cfg, params) in models.items()}
+    rows = {name: [] for name in models}
+    bests = {name: {} for name in models}
+    for shape in shapes:
+        compiled = {name: s.compile(shape) for name, s in steppers.items()}
+        times = {name: [] for name in models}
+        for _ in range(args.repeats):
+            for name, s in steppers.items():
+                times[name].append(s.run(*compiled[name][:2]))
+        for name in models:
+            rows[name].append(row(shape, compiled[name][2], times[name]))
+            bests[name][shape] = min(times[name])
+            if args.profile:
+                steppers[name].profile(*compiled[name][:2], shape, f"{name}: ")
+        print(f"# {'x'.join(map(str, shape))} done", flush=True)
+    for name, (cfg, _) in models.items():
+        mlp = (f"{cfg.num_experts} experts of {cfg.moe_intermediate_size}, top-"
+               f"{cfg.num_experts_per_tok}" if cfg.num_experts
+               else f"MLP {cfg.intermediate_size}")
+        print(f"\n{name}: random {cfg.dtype} weights, {mlp}, attention={backend}")
+        print(HEADER + "\n" + "\n".join(rows[name]))
+    a, b = models
+    print(f"\n| tokens | rows | pages | {a} best (ms) | {b} best (ms) | {b} / {a} |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for shape in shapes:
+        ta, tb = bests[a][shape], bests[b][shape]
+        print(f"| {' | '.join(map(str, shape))} | {ta * 1e3:.1f} | {tb * 1e3:.1f} | "
+              f"{tb / ta:.2f}x |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the demo checkpoint)")
@@ -90,7 +204,9 @@ def main() -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="auto, int8, fp8, or a float dtype such as bfloat16 (default: auto)")
-    p.add_argument("--shapes", default="1x1x16,8x8x16,16x16x16,64x64x16,256x64x16")
+    p.add_argument("--shapes", default=None,
+                   help="default 1x1x16,8x8x16,16x16x16,64x64x16,256x64x16 (--moe-like: "
+                        "1x1x16,16x16x16,64x64x16)")
     p.add_argument("--context", type=int, default=200, help="decode position + 1")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
@@ -100,44 +216,33 @@ def main() -> int:
                    help="also the step's time by op (kernel or XLA fusion), under jax.profiler")
     p.add_argument("--no-attention", action="store_true",
                    help="attention replaced by the identity: what the rest of a step costs")
+    p.add_argument("--moe-like", default=None, metavar="E,K",
+                   help="random float32 weights of the model's shape, dense and as E experts "
+                        "top-K of equal active size (see above)")
     args = p.parse_args()
+    if args.moe_like and args.quantize:
+        p.error("--moe-like times float32 random weights; --quantize does not apply")
     if args.no_attention:
         import model.transformer
         model.transformer.paged_attention = lambda q, *args, **kwargs: q
     model_dir = resolve_model_dir(args.model)
-    cfg, params = load_model(model_dir, args.dtype, progress=False, quantize=args.quantize)
-    params = prepare_params(params, pack=False if args.no_pack else None)
     backend = resolve_backend(args.attention_backend)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    num_pages = 1 + max(R * P for _, R, P in shapes)
-    cache = KVCache.zeros(cfg, num_pages, args.page_size, args.kv_cache_dtype)
-    step = jax.jit(partial(forward, cfg=cfg, backend=backend), donate_argnums=(1,))
-    rng = np.random.default_rng(0)
-    print(f"{model_dir.name} {cfg.dtype} quantize={args.quantize} attention={backend}")
-    print("| tokens | rows | pages | compile (s) | best (ms) | median (ms) | tokens/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for T, R, P in shapes:
-        batch = step_batch(T, R, P, args.page_size, num_pages, args.context, rng)
-        started = time.perf_counter()
-        program = step.lower(params, cache, batch).compile()
-        compile_s = time.perf_counter() - started
-        logits, cache = program(params, cache, batch)
-        logits.block_until_ready()
-        times = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            logits, cache = program(params, cache, batch)
-            logits.block_until_ready()
-            times.append(time.perf_counter() - started)
-        best, median = min(times), float(np.median(times))
-        print(f"| {T} | {R} | {P} | {compile_s:.1f} | {best * 1e3:.1f} | {median * 1e3:.1f} | "
-              f"{T / best:.0f} |", flush=True)
-        if args.profile:
-            by_op, cache = profile(program, params, cache, batch, args.repeats)
-            shown = {k: v for k, v in by_op.items() if v >= 0.05}
-            print(f"  {T}x{R}x{P} by op, ms per step (summed over XLA's threads: "
-                  f"{sum(by_op.values()):.1f}): " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
+    shapes = args.shapes or ("1x1x16,16x16x16,64x64x16" if args.moe_like
+                             else "1x1x16,8x8x16,16x16x16,64x64x16,256x64x16")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in shapes.split(",")]
+    pack = False if args.no_pack else None
+    if not args.moe_like:
+        cfg, params = load_model(model_dir, args.dtype, progress=False, quantize=args.quantize)
+        params = prepare_params(params, pack=pack)
+        print(f"{model_dir.name} {cfg.dtype} quantize={args.quantize} attention={backend}")
+        bench(cfg, params, shapes, backend, args)
+        return 0
+    experts, top_k = (int(v) for v in args.moe_like.split(","))
+    dense = ModelConfig.from_dir(model_dir, args.dtype or "float32")
+    configs = {"dense": dense, f"moe {experts}x{top_k}": moe_like(dense, experts, top_k)}
+    print(f"{model_dir.name}'s shape, dense and as a mixture of experts of equal active size")
+    bench_pair({name: (cfg, prepare_params(init_params(cfg), pack=pack))
+                for name, cfg in configs.items()}, shapes, backend, args)
     return 0
 
 

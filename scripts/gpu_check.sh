@@ -5,7 +5,7 @@
 #   device-info        10 s  GPU, driver, JAX's view of its memory
 #   kernel-tests       55 s  both Pallas kernels (pallas, pallas_pages) natively against the
 #                            reference, and in the engine on random and real (demo) weights
-#   bench-kernels      50 s  decode attention bandwidth of both kernels vs copy bandwidth (the
+#   bench-kernels      40 s  decode attention bandwidth of both kernels vs copy bandwidth (the
 #                            goal cases), then a tile sweep (--tune) in what is left
 #   engine-8b-cold    100 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
 #                            (the plan, peak memory), cold warm-up, decode tok/s at batch
@@ -16,6 +16,13 @@
 #                            completion
 #   tensor-parallel    90 s  (after engine-8b-warm) only with more than one GPU: the 8B-shaped engine at TP=1 and at
 #                            TP=N (N = the GPUs, at most 8), decode tok/s at batch 1/64
+#   moe-grouped        50 s  a Qwen3-30B-A3B-shaped expert MLP (hidden 2048, 128 experts, top-8,
+#                            bf16) at 16/64/256/1024 tokens: ragged_dot (our grouped_matmul)
+#                            vs the same FLOPs dense and vs every token through every expert;
+#                            which op XLA made of the ragged dot; then the ragged dot again
+#                            with XLA's cuDNN ragged-dot fusion flag. Last, so that it only
+#                            takes what the parts before leave of the pass (rows are written
+#                            as they finish)
 # Each part runs under `timeout` (its budget, cut to what is left of the pass); a part that
 # fails or times out is reported and the others still run. One table: $1, else
 # $OUT/gpu_check.txt if OUT is set, else ./gpu_check.txt; printed at the end.
@@ -85,10 +92,12 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   SHAPE=(--tiny) BATCHES=1,4 KERNEL_ARGS=(--quick) HLO_ARGS=(--k 256 --n 512 --m 1,4 --iters 3)
   KERNEL_TESTS=(tests/test_kernels.py -k "page_block_tiles or block_sizes")
   SERVE_SHAPE=tiny NATIVE=0  # the kernel tests in the interpreter
+  MOE_ARGS=(--smoke)
 else
   SHAPE=() BATCHES=1,64,256 KERNEL_ARGS=(--cases 8 --no-reference --tune) HLO_ARGS=(--k 4096 --n 14336 --m 1,64)
   KERNEL_TESTS=(tests/test_kernels.py -k "pallas or page_block or kernel_matches")
   SERVE_SHAPE=8b NATIVE=1
+  MOE_ARGS=()
 fi
 
 XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
@@ -96,7 +105,7 @@ XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p 
 grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$LOGDIR/kernel-tests.log" | tail -15 \
   >> "$TABLE" || true
 
-run bench-kernels 50 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 43 \
+run bench-kernels 40 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 33 \
   --out "$TABLE"
 
 DECODE=("$PY" scripts/bench_decode.py "${SHAPE[@]}" --default-sizing --prompt-len 128
@@ -121,6 +130,18 @@ run quant-hlo 20 "$PY" -m quant.hlo "${HLO_ARGS[@]}" --out "$TABLE"
 
 run serve-8b 65 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$MODEL" \
   --out "$TABLE"
+
+# The flagged run is a second process (XLA reads XLA_FLAGS once); if the flag makes XLA
+# fail or crash, that is a result, written to the table, and the part's status is the
+# first run's.
+FUSION_FLAG=--xla_gpu_experimental_use_ragged_dot_fusion=true
+run moe-grouped 50 bash -c '
+  py="$1" table="$2" flag="$3"; shift 3
+  "$py" scripts/gpu_moe_check.py "$@" --max-seconds 28 --out "$table"; rc=$?
+  XLA_FLAGS="$flag" timeout --kill-after=2 14 "$py" scripts/gpu_moe_check.py "$@" \
+    --tokens 16,1024 --methods ragged_dot --iters 5 --repeats 2 --label "XLA_FLAGS=$flag" \
+    --out "$table" || echo "# XLA_FLAGS=$flag: exit $?" | tee -a "$table"
+  exit $rc' _ "$PY" "$TABLE" "$FUSION_FLAG" "${MOE_ARGS[@]}"
 
 note ""
 note "## summary: part | status | time of budget (pass ${SECONDS} s of ${PASS_SECONDS} s)"

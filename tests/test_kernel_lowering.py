@@ -146,3 +146,40 @@ def test_model_forward_with_pallas_backend_lowers_for_cuda(monkeypatch):
         lowered = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, backend), params, cache,
                                  batch)
         assert TRITON_CALL in lowered.as_text(), backend
+
+
+def test_moe_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
+    """A mixture-of-experts step for a GPU: each MoE layer's experts as two `chlo.ragged_dot`
+    (gate/up joined, then down) on the bf16 weights with float32 accumulation, and none of
+    our CPU kernels' FFI calls."""
+    from model import attention
+    from model.batch import Batch
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from model.transformer import abstract_params, forward
+    monkeypatch.setattr(attention, "PALLAS_INTERPRET", False)
+    E, k, H, I = 8, 2, 256, 128
+    cfg = ModelConfig.from_hf({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": H,
+        "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "num_experts": E, "num_experts_per_tok": k,
+        "moe_intermediate_size": I, "norm_topk_prob": True, "mlp_only_layers": [1]},
+        "bfloat16")
+    assert cfg.moe_layers == (True, False, True)  # a dense layer between: layers as a list
+    T, R, P, page_size = 16, 4, 8, 16
+    i32 = lambda *s: SDS(s, jnp.int32)
+    batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R))
+    cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
+    params = abstract_params(cfg)
+    text = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, "pallas"), params, cache,
+                          batch).as_text()
+    ragged = [line for line in text.splitlines() if '"chlo.ragged_dot"' in line]
+    rows = T * k
+    gate_up = f"(tensor<{rows}x{H}xbf16>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}xi32>) " \
+              f"-> tensor<{rows}x{2 * I}xf32>"
+    down = f"(tensor<{rows}x{I}xbf16>, tensor<{E}x{I}x{H}xbf16>, tensor<{E}xi32>) " \
+           f"-> tensor<{rows}x{H}xf32>"
+    assert [gate_up in line for line in ragged] == [True, False, True, False], ragged
+    assert [down in line for line in ragged] == [False, True, False, True], ragged
+    assert "xlaserve_" not in text
+    assert TRITON_CALL in text  # the attention kernel, as in the dense model's step
