@@ -128,8 +128,8 @@ class MoE(nn.Module):
         local = cfg.local_experts
         if local < cfg.num_experts:  # expert parallel: this shard's experts alone
             experts = local_expert_ids(experts, local, jax.lax.axis_index(self.axis))
-        order, inverse, sizes = dispatch(experts, local + 1 if local < cfg.num_experts
-                                         else local)
+        # group `local` (empty unless expert parallel) holds other shards' pairs: cut off
+        order, inverse, sizes = dispatch(experts, local + 1)
         sizes = sizes[:local]
         lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, name=name)
         out = _expert_mlp(x[order // k], sizes, lin, self.has_variable("params", "gate_up_proj"),

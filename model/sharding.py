@@ -54,7 +54,8 @@ def valid_sizes(cfg: ModelConfig) -> list[int]:
 
 def _split_sizes(cfg: ModelConfig) -> list[int]:
     """The sizes a tensor-parallel split divides, besides the heads."""
-    sizes = [cfg.intermediate_size] if not all(cfg.moe_layers or (False,)) else []
+    every_layer_moe = bool(cfg.moe_layers) and all(cfg.moe_layers)
+    sizes = [] if every_layer_moe else [cfg.intermediate_size]
     if cfg.num_experts:
         sizes.append(cfg.num_experts if cfg.expert_shards > 1 else cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size:
