@@ -120,11 +120,17 @@ def test_dimensions_follow_the_model_config(tmp_path):
 
 # -- the engine against transformers ------------------------------------------------------
 
+_HIDDEN: dict = {}  # (model, prompt) -> transformers' last_hidden_state, shared by the kinds
+
+
 def _reference(hf, tokens, kind, normalize=True):
     """transformers' base model: last_hidden_state (after the final norm), pooled."""
     import torch
-    with torch.no_grad():
-        h = hf.model(torch.tensor([tokens])).last_hidden_state[0].double().numpy()
+    key = (id(hf), tuple(tokens))
+    if key not in _HIDDEN:
+        with torch.no_grad():
+            _HIDDEN[key] = hf.model(torch.tensor([tokens])).last_hidden_state[0].double().numpy()
+    h = _HIDDEN[key]
     v = {"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind]
     return v / np.linalg.norm(v) if normalize else v
 

@@ -418,12 +418,20 @@ def test_engine_page_block_kernel_matches_reference_on_tiny_mistral(tiny_mistral
     assert got == want
 
 
+DEMO_PROMPTS = [[1, 4093, 28, 1476, 2041, 314], list(range(200, 237)), [504, 3458, 282]]
+
+
+@pytest.fixture(scope="module")
+def demo_reference_tokens(demo_checkpoint):
+    return greedy_tokens(demo_checkpoint, "reference", DEMO_PROMPTS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas", "pallas_pages"])
-def test_engine_pallas_matches_reference_on_demo_model(demo_checkpoint, monkeypatch, backend):
+def test_engine_pallas_matches_reference_on_demo_model(demo_checkpoint, demo_reference_tokens,
+                                                       monkeypatch, backend):
     """Real weights (the demo model, read from its GGUF file: gguf is a core dependency)."""
     small_tiles(monkeypatch, num_splits=1)
-    prompts = [[1, 4093, 28, 1476, 2041, 314], list(range(200, 237)), [504, 3458, 282]]
-    want = greedy_tokens(demo_checkpoint, "reference", prompts)
-    got = greedy_tokens(demo_checkpoint, backend, prompts)
+    want = demo_reference_tokens
+    got = greedy_tokens(demo_checkpoint, backend, DEMO_PROMPTS)
     assert got == want

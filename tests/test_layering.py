@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 import sys
 from pathlib import Path
 
@@ -94,9 +95,11 @@ print(json.dumps(sorted(m for m in ("jax", "jaxlib", "flax") if m in sys.modules
 def test_room_imports_no_jax(room):
     names = [name for name, _ in modules(f"serving/{room}")]
     assert len(names) > 3
-    for name in names:  # one fresh interpreter per module: another's imports cannot hide it
-        proc = subprocess.run([sys.executable, "-c", CHECK, name], cwd=ROOT,
+    def check(name):  # one fresh interpreter per module: another's imports cannot hide it
+        return subprocess.run([sys.executable, "-c", CHECK, name], cwd=ROOT,
                               capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout) == [], f"{name} loads JAX"
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for name, proc in zip(names, pool.map(check, names)):
+            assert proc.returncode == 0, proc.stderr
+            assert json.loads(proc.stdout) == [], f"{name} loads JAX"

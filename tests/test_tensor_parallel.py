@@ -5,7 +5,7 @@ own forms) and KV cache, the pallas kernel
 in interpret mode, the demo model at TP=3); sizes that do not split a model are refused
 before any weight loads.
 
-The engines run in one child process (tests/tp_child.py) started with
+The engines run in child processes (tests/tp_child.py) started with
 --xla_force_host_platform_device_count, which must not reach this session."""
 from __future__ import annotations
 
@@ -95,16 +95,26 @@ def cases(models, demo_checkpoint) -> dict:
 
 @pytest.fixture(scope="module")
 def results(models, demo_checkpoint, tmp_path_factory):
+    """The cases run in two child processes at once, a compile each (XLA compiles a program
+    on one thread)."""
     spec = cases(models, demo_checkpoint)
-    path = tmp_path_factory.mktemp("tp-cases") / "cases.json"
-    path.write_text(json.dumps({k: {f: v for f, v in c.items() if f != "kv_heads"}
-                                for k, c in spec.items()}))
+    folder = tmp_path_factory.mktemp("tp-cases")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-m", "tests.tp_child", str(DEVICES), str(path)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env=dict(env, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, done.stderr[-4000:]
-    return spec, json.loads(done.stdout.strip().splitlines()[-1])
+    children = []
+    for i, names in enumerate((list(spec)[0::2], list(spec)[1::2])):
+        path = folder / f"cases-{i}.json"
+        path.write_text(json.dumps({k: {f: v for f, v in spec[k].items() if f != "kv_heads"}
+                                    for k in names}))
+        children.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.tp_child", str(DEVICES), str(path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env=dict(env, PYTHONPATH=str(ROOT))))
+    out = {}
+    for child in children:
+        stdout, stderr = child.communicate(timeout=900)
+        assert child.returncode == 0, stderr[-4000:]
+        out.update(json.loads(stdout.strip().splitlines()[-1]))
+    return spec, out
 
 
 CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
