@@ -188,3 +188,57 @@ def test_more_sampled_rows_than_the_step_has_is_an_error():
     b.num_new_tokens = 10
     with pytest.raises(ValueError, match="sampled rows"):
         prepare(SchedulerOutput([b]), BUCKETS, PAGE, MAX_SEQS)
+
+
+def one_by_one(sched, shape, page_size):
+    """The token and row arrays written request by request over a padding step's: what
+    prepare's whole-array build must equal."""
+    want = padding_step(shape).batch  # all padding, then each request's entries
+    t = r = 0
+    for i, s in enumerate(sched):
+        n, k = s.num_new_tokens, len(s.spec_token_ids)
+        want["page_table"][i, :len(s.page_ids)] = s.page_ids
+        for j in range(n):
+            pos = s.start + j
+            want["input_ids"][t + j] = s.token_ids[j]
+            want["positions"][t + j] = pos
+            page = s.page_ids[pos // page_size]
+            want["slot_mapping"][t + j] = page * page_size + pos % page_size
+            want["req_indices"][t + j] = i
+        for j in range(k + 1):
+            want["logits_indices"][r + j] = t + n - 1 - k + j
+            want["row_start"][r + j] = r
+            if j < k:
+                want["draft_ids"][r + j] = s.spec_token_ids[j]
+        t, r = t + n, r + k + 1
+    return want
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_steps_equal_the_request_by_request_arrays(seed):
+    """Prefill chunks, decodes and verifying rows in any mix, on random pages."""
+    rng = random.Random(seed)
+    sched, tokens, rows = [], 0, 0
+    while True:
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))]
+        outputs = [rng.randrange(3, 500) for _ in range(rng.choice([0, 0, rng.randint(1, 9)]))]
+        total = len(prompt) + len(outputs)
+        start = rng.randrange(total)
+        n = total - start if rng.random() < 0.5 else rng.randint(1, total - start)
+        spec = ([rng.randrange(3, 500) for _ in range(rng.randint(1, 3))]
+                if outputs and start + n == total and rng.random() < 0.3 else [])
+        if tokens + n + len(spec) > 32 or rows + 1 + len(spec) > MAX_SEQS:
+            break
+        pages = rng.sample(range(1, 64), -(-(total + len(spec)) // PAGE))
+        s = scheduled(prompt, outputs, start, n, pages)
+        s.spec_token_ids = spec
+        s.token_ids = s.token_ids + spec
+        s.num_new_tokens = n + len(spec)
+        sched.append(s)
+        tokens, rows = tokens + n + len(spec), rows + 1 + len(spec)
+    arr = prepare(SchedulerOutput(sched), BUCKETS, PAGE, MAX_SEQS)
+    want = one_by_one(sched, arr.shape, PAGE)
+    assert arr.batch.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(arr.batch[name], value, err_msg=name)
+        assert arr.batch[name].dtype == value.dtype, name

@@ -62,33 +62,8 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
     sched = out.scheduled
     T, R, P = step_shape(buckets, out.num_batched_tokens,
                          max(len(s.page_ids) for s in sched), max_num_seqs)
-    input_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slots = np.full(T, SINK_SLOT, np.int32)
-    req_indices = np.full(T, R - 1, np.int32)
-    page_table = np.zeros((R, P), np.int32)
-    logits_indices = np.zeros(R, np.int32)
-    draft_ids = np.full(R, -1, np.int32)  # the proposed token a row's sample is checked against
-    row_start = np.arange(R, dtype=np.int32)  # the first row of the row's request
     first_rows = _first_rows(sched, R)
-    t = 0
-    for i, s in enumerate(sched):
-        n = s.num_new_tokens
-        pos = np.arange(s.start, s.start + n, dtype=np.int32)
-        pages = np.asarray(s.page_ids, np.int32)
-        page_table[i, :len(pages)] = pages
-        input_ids[t:t + n] = s.token_ids
-        positions[t:t + n] = pos
-        slots[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
-        req_indices[t:t + n] = i
-        r, k = first_rows[i], len(s.spec_token_ids)
-        logits_indices[r:r + k + 1] = np.arange(t + n - 1 - k, t + n)
-        draft_ids[r:r + k] = s.spec_token_ids
-        row_start[r:r + k + 1] = r
-        t += n
-    batch = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                 req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
-                 draft_ids=draft_ids, row_start=row_start)
+    batch = _token_arrays(sched, T, R, P, page_size, first_rows)
     sampling = _sampling_arrays(out, R)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
     history = (_history(sched, *history_shape((T, R, P), page_size))
@@ -100,6 +75,47 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
     return StepArrays((T, R, P), batch, sampling, wants, prompt_targets=targets,
                       history=history, bitmask=bitmask, first_rows=first_rows,
                       pooling_rows=pooled)
+
+
+def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_size: int,
+                  first_rows: list[int]) -> dict[str, np.ndarray]:
+    """The model's per-token and per-row inputs, built from flat lists with a few whole-array
+    numpy operations (no per-request numpy calls: at 256 requests those were milliseconds)."""
+    counts = np.array([s.num_new_tokens for s in sched], np.int32)
+    n = int(counts.sum())
+    req = np.repeat(np.arange(len(sched), dtype=np.int32), counts)
+    offsets = np.cumsum(counts) - counts  # each request's first token in the step
+    pos = (np.arange(n, dtype=np.int32) - np.repeat(offsets, counts)
+           + np.repeat(np.array([s.start for s in sched], np.int32), counts))
+    page_table = np.zeros((R, P), np.int32)
+    widths = np.array([len(s.page_ids) for s in sched], np.int32)
+    page_table[np.repeat(np.arange(len(sched)), widths),
+               np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)] = \
+        [p for s in sched for p in s.page_ids]
+    input_ids = np.zeros(T, np.int32)
+    input_ids[:n] = [t for s in sched for t in s.token_ids]
+    positions = np.zeros(T, np.int32)
+    positions[:n] = pos
+    slots = np.full(T, SINK_SLOT, np.int32)
+    slots[:n] = page_table[req, pos // page_size] * page_size + pos % page_size
+    req_indices = np.full(T, R - 1, np.int32)
+    req_indices[:n] = req
+    # Sampled rows: a request verifying k proposed tokens has k + 1, at its last k + 1 tokens.
+    rows = np.array([s.num_rows for s in sched], np.int32)
+    m = int(rows.sum())
+    first = np.repeat(np.array(first_rows, np.int32), rows)
+    logits_indices = np.zeros(R, np.int32)
+    logits_indices[:m] = (np.repeat(offsets + counts - rows, rows)
+                          + np.arange(m, dtype=np.int32) - first)
+    draft_ids = np.full(R, -1, np.int32)  # the proposed token a row's sample is checked against
+    row_start = np.arange(R, dtype=np.int32)  # the first row of the row's request
+    row_start[:m] = first
+    if any(s.spec_token_ids for s in sched):
+        draft = np.array([t for s in sched for t in s.spec_token_ids + [-1]], np.int32)
+        draft_ids[:m] = draft
+    return dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
+                draft_ids=draft_ids, row_start=row_start)
 
 
 def _first_rows(sched: list[ScheduledRequest], R: int) -> list[int]:
