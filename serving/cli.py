@@ -66,8 +66,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model's dtype; float16 for the demo "
                         "model on a CPU), a float dtype, or int8 / fp8 with scales")
     p.add_argument("--compilation-cache-dir", default=None,
-                   help=f"JAX's persistent compilation cache (default: "
-                        f"{default_cache_root() / 'jax-cache'}); '' turns it off")
+                   help=f"compiled programs and weights quantized at load, kept for the "
+                        f"next start (default: {default_cache_root() / 'jax-cache'}); '' "
+                        f"keeps none")
     p.add_argument("--seed", type=int, default=0,
                    help="draws the seeds of requests that bring none")
     p.add_argument("--max-logprobs", type=int, default=20,

@@ -11,6 +11,7 @@ from model.config import ModelConfig
 from model.transformer import init_params
 from quant.recipe import quantize_params
 from serving.core.config import EngineConfig
+from serving.engine import weights_cache
 
 log = logging.getLogger("xlaserve")
 
@@ -30,7 +31,20 @@ def load_weights(model_dir: Path, ec: EngineConfig, dtype: str | None = None):
         return cfg, quantize_params(params, ec.quantize) if ec.quantize else params
     if ec.load_format != "auto":
         raise ValueError(f"unknown load_format {ec.load_format!r}; choose auto or dummy")
-    return load_model(model_dir, dtype, progress=ec.progress, quantize=ec.quantize)
+    if not (ec.compilation_cache_dir and weights_cache.cacheable(model_dir, ec.quantize)):
+        return load_model(model_dir, dtype, progress=ec.progress, quantize=ec.quantize)
+    # Quantized at load: read back what an earlier start saved (serving/engine/weights_cache.py)
+    path = weights_cache.slot(Path(ec.compilation_cache_dir) / "weights", model_dir,
+                              ec.quantize, dtype)
+    made_from = weights_cache.identity(model_dir, ec.quantize, dtype)
+    saved = weights_cache.load(path, made_from)
+    if saved is not None:
+        log.info("weights: %s quantized as saved in %s", ec.quantize, path)
+        return saved
+    cfg, params = load_model(model_dir, dtype, progress=ec.progress, quantize=ec.quantize)
+    if weights_cache.save(path, made_from, cfg, params):
+        log.info("weights: %s quantized, saved to %s for the next start", ec.quantize, path)
+    return cfg, params
 
 
 def load_tokenizer(model_dir: Path):
