@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_ffi
 
@@ -25,7 +26,7 @@ XQMAX = 32767  # the activations' int16 range
 def scale_dtype(*scales):
     """The dtype the kernels take scales in: float16 when every one of `scales` is float16,
     else float32 (exact for float16 and bfloat16 ones)."""
-    f16 = all(jnp.asarray(s).dtype == jnp.float16 for s in scales)
+    f16 = all(np.dtype(s.dtype) == np.float16 for s in scales)
     return jnp.dtype(jnp.float16 if f16 else jnp.float32)
 
 
@@ -39,14 +40,17 @@ def pack_panels(codes, d, m):
     element 2b is byte b's low nibble."""
     K, N = codes.shape
     G, P = K // GROUP, N // PANEL
-    c = jnp.asarray(codes, jnp.uint8).reshape(G, 2, 4, 4, P, PANEL)  # g, half, h, i, p, j
+    # Concrete weights are rearranged by numpy on the host (a start packs every layer: eager
+    # jnp ops cost a dispatch, and a compile per shape, each), traced ones by jnp.
+    xp = jnp if any(isinstance(a, jax.core.Tracer) for a in (codes, d, m)) else np
+    c = xp.asarray(codes).astype(np.uint8).reshape(G, 2, 4, 4, P, PANEL)  # g, half, h, i, p, j
     c = c.transpose(4, 0, 2, 5, 3, 1)  # p, g, h, j, i, half
     packed = c.reshape(K, N).astype(jnp.uint4)
     dtype = scale_dtype(d, m)
 
     def panels(s):
-        return jnp.asarray(s).astype(dtype).reshape(G, P, PANEL).transpose(1, 0, 2)
-    return packed, panels(d), panels(m)
+        return jnp.asarray(xp.asarray(s).astype(dtype).reshape(G, P, PANEL).transpose(1, 0, 2))
+    return jnp.asarray(packed), panels(d), panels(m)
 
 
 def unpack_panels(packed, dp, mp):

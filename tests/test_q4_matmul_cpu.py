@@ -168,6 +168,12 @@ def test_panels_round_trip_and_layout():
     assert flat[1, 0, 2, 3, 1, 0] == codes[9, 16 + 3]
     assert flat[0, 1, 3, 7, 2, 1] == codes[32 + 16 + 14, 7]
     assert np.asarray(dp)[1, 1, 5] == d[1, 16 + 5]
+    # Concrete weights are packed by numpy, traced ones by jnp: the same arrays either way.
+    for a, b in zip(jax.jit(pack_panels)(codes, jnp.asarray(d, jnp.bfloat16), m),
+                    pack_panels(codes, jnp.asarray(d, jnp.bfloat16), m)):
+        assert isinstance(b, jax.Array) and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
 
 
 def test_int4_gives_back_q4_1_weights_exactly():
