@@ -133,8 +133,12 @@ def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
     """An engine on this CPU that sizes its cache as on a GPU reporting `limit` bytes."""
     from model.kv_cache import KVCache
     from serving.engine import llm_engine, mesh
-    allocated = []  # pages of each KV cache made on the device (traced ones are not)
+    from serving.engine.runner import ModelRunner
+    # pages of each KV cache made on the device: eagerly (traced ones are not), or by the
+    # runner's allocation (whose zeros are a compiled program)
+    allocated = []
     zeros = KVCache.zeros.__func__
+    allocate = ModelRunner.allocate_kv_cache
 
     def recording(cls, *args, **kwargs):
         cache = zeros(cls, *args, **kwargs)
@@ -142,7 +146,12 @@ def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
             allocated.append(args[1])
         return cache
 
+    def allocating(runner, num_pages):
+        allocated.append(num_pages)
+        return allocate(runner, num_pages)
+
     monkeypatch.setattr(KVCache, "zeros", classmethod(recording))
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)
     monkeypatch.setattr(mesh, "gpu_memory_limit", lambda where: limit)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     options = dict(model=str(tiny_dir), load_format="dummy", compilation_cache_dir=None,
@@ -165,6 +174,8 @@ def test_engine_plans_the_cache_from_the_compiled_largest_step(tiny_dir, monkeyp
     assert plan.num_pages == (plan.budget_bytes - engine.weight_bytes
                               - plan.activation_bytes) // page
     assert engine.num_pages == plan.num_pages and allocated[-1] == plan.num_pages
+    assert engine.runner.cache.k.shape == engine.runner._cache_shape.k.shape
+    assert plan.num_pages in engine.runner.cache.k.shape
     assert engine.max_model_len == 4096  # the model's whole context: the cache holds it
     assert engine.buckets.pages[-1] == 4096 // 16
 

@@ -135,7 +135,7 @@ class ModelRunner:
         self.bitmask_width = (self.vocab_size + 31) // 32
         self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
         self.params = self.placement.prepare(params, free_stacked=free_stacked)
-        self.cache = None
+        self._cache = self._cache_shape = self._zeroing = None
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
         self.backend = attention_backend
@@ -155,7 +155,29 @@ class ModelRunner:
         self.pooling = PoolingProgram(self) if pooling else None
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        self.cache = self.placement.zeros_cache(num_pages, self.page_size, self.kv_cache_dtype)
+        """On one device the zeros are written on a thread of their own (the CPU runtime
+        writes the buffer inside the call: a second for the demo's 2.8 GiB) while warm-up
+        loads or compiles against the cache's shape; the first step waits for them."""
+        args = (num_pages, self.page_size, self.kv_cache_dtype)
+        if self.placement.size > 1:
+            self.cache = self._cache_shape = self.placement.zeros_cache(*args)
+            return
+        self._cache_shape = self.placement.abstract_cache(*args)
+        # compiled here, so warm-up itself compiles nothing when every program is loaded
+        zeros = jax.jit(partial(self.placement.zeros_cache, *args)).lower().compile()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="xlaserve-kv-cache")
+        self._zeroing = pool.submit(zeros)
+        pool.shutdown(wait=False)
+
+    @property
+    def cache(self):
+        if self._zeroing is not None:
+            self._cache, self._zeroing = self._zeroing.result(), None
+        return self._cache
+
+    @cache.setter
+    def cache(self, value) -> None:
+        self._cache = value
 
     def activation_peak_bytes(self, example: StepArrays) -> int:
         """Temporary bytes the step program of `example`'s shape needs (XLA's buffer
@@ -180,10 +202,10 @@ class ModelRunner:
     @property
     def executables(self) -> ExecutableCache | None:
         """The executable cache, keyed on the KV cache too, so made once that exists."""
-        if self._executables is None and self._executable_dir and self.cache is not None:
+        if self._executables is None and self._executable_dir and self._cache_shape is not None:
             self._executables = ExecutableCache(self._executable_dir, dict(
                 model=repr(self.cfg), params=avals_signature(self.params),
-                cache=avals_signature(self.cache), backend=self.backend,
+                cache=avals_signature(self._cache_shape), backend=self.backend,
                 page_size=self.page_size, max_logprobs=self.max_logprobs,
                 vocab_size=self.vocab_size))
         return self._executables
@@ -197,7 +219,7 @@ class ModelRunner:
         lowers and compiles it (and saves it there). Returns (seconds, loaded)."""
         started = time.perf_counter()
         buffers, layout = _pack(example)
-        args = (self.params, self.cache, buffers, self._history(example),
+        args = (self.params, self._cache_shape, buffers, self._history(example),
                 self._bitmask(example))
         program, loaded = self._load_or_compile(
             lambda: self._jitted.lower(*args, layout=layout), args, shape, layout)
