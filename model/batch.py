@@ -16,6 +16,8 @@ class Batch:
     req_indices: jax.Array  # int32[T] page_table row of each token
     page_table: jax.Array  # int32[B, pages_per_req]
     logits_indices: jax.Array  # int32[R] tokens whose logits are computed (one per request)
+    # int32[T] each token's LoRA slot (model/lora.py; -1: none); None: LoRA off
+    lora_slots: jax.Array | None = None
 
 
 def sequences_batch(tokens: list[list[int]], page_table: np.ndarray, page_size: int,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import lora
 from model.config import ModelConfig
 from pallas_kernels import rms_norm_cpu
 from quant import ops as quant_ops
@@ -43,6 +44,8 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,),
                                self.param_dtype).astype(y.dtype)
+        if self.has_variable("lora", "a"):  # adapters' updates (model/lora.py)
+            y = y + lora.delta(x, *(self.get_variable("lora", k) for k in ("a", "b", "mask")))
         return y
 
 

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import lora
 from model.attention import paged_attention
 from model.batch import Batch
 from model.config import ModelConfig
@@ -78,25 +79,28 @@ class DecoderLayer(nn.Module):
         return x + MLP(cfg, self.axis, name="mlp")(h), cache
 
 
-def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference"):
+def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference",
+            lora_slots=None):
     """-> (logits float32[R, V], new cache) for the tokens named by `batch.logits_indices`.
 
     Pure: jit it with the cache donated. params: stored or, to run fast, prepared once with
-    `model.runtime_params.prepare_params`."""
+    `model.runtime_params.prepare_params`. lora_slots: adapters' weights (model/lora.py),
+    with `batch.lora_slots` saying which each token uses."""
     params = prepare_params(params)
-    hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend, lora_slots=lora_slots)
     return compute_logits(params, hidden[batch.logits_indices], cfg), cache
 
 
 def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
-                   backend: str = "reference", axis: str | None = None):
+                   backend: str = "reference", axis: str | None = None, lora_slots=None):
     """-> (hidden [T, hidden_size] before the final norm, new cache): every token's last
     residual stream, for callers that need more than one row's logits (prompt logprobs).
     The layers are unrolled, each reading its own weights and its slice of the cache at a
     static layer index.
 
     axis: inside shard_map, the tensor-parallel mesh axis; params, cache and cfg are then
-    this shard's (model/sharding.py) and the hidden states come out whole on every shard."""
+    this shard's (model/sharding.py) and the hidden states come out whole on every shard.
+    lora_slots: adapters' weights per layer (model/lora.py), or None."""
     params = prepare_params(params)
     if axis is None:
         x = embed(params["embed"], batch.input_ids, cfg.dtype)
@@ -104,9 +108,15 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
         x = embed_vocab_parallel(params["embed"], batch.input_ids, cfg.dtype, axis)
     layer = DecoderLayer(cfg, backend, axis)
     windows = cfg.sliding_windows or (0,) * cfg.num_layers
+    mask = None
+    if lora_slots is not None:
+        num_slots = jax.tree.leaves(lora_slots)[0].shape[0]
+        mask = lora.token_mask(batch.lora_slots, num_slots, cfg.dtype)
     for i in range(cfg.num_layers):
-        x, cache = layer.apply({"params": params["layers"][i]}, x, cache, i,
-                               jnp.int32(windows[i]), batch)
+        variables = {"params": params["layers"][i]}
+        if mask is not None:
+            variables["lora"] = lora.layer_variables(lora_slots[i], mask)
+        x, cache = layer.apply(variables, x, cache, i, jnp.int32(windows[i]), batch)
     return x, cache
 
 

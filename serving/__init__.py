@@ -4,8 +4,9 @@
 modules (scheduler, pages, buckets, protocol) stay importable without it.
 """
 from serving.core.sampling_params import SamplingParams
+from serving.lora.request import LoRARequest
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name):

@@ -14,6 +14,7 @@ import traceback
 
 from model.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from serving.core.config import EngineConfig, default_cache_root
+from serving.lora.request import LoRAModule
 from serving.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 
 TOOL_PARSERS = ("hermes", "llama3_json")  # serving/openai/tool_parsers.py
@@ -107,6 +108,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help='with --task embed, vLLM\'s keys: \'{"pooling_type": "MEAN", '
                         '"normalize": true}\' (LAST, MEAN or CLS; default: the model '
                         "folder's sentence-transformers files, else LAST with normalize)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) over the model")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA adapters in one step (device slots)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest adapter rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="parsed adapters kept on the host (default: --max-loras)")
     for name, what in (("token", "tokens per step"), ("request", "requests per step"),
                        ("page", "pages per request")):
         p.add_argument(f"--{name}-buckets", type=_int_list, default=None, metavar="N,N,...",
@@ -171,6 +180,8 @@ def _engine_config(args) -> EngineConfig:
                   coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id,
                   task=args.task, runner=args.runner, pooler_config=args.pooler_config,
+                  enable_lora=args.enable_lora, max_loras=args.max_loras,
+                  max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                   token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off
@@ -213,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return the model's <think>...</think> apart from the answer "
                             "(message.reasoning_content); constraints apply to the answer")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (with --enable-lora): name=path, "
+                            "or JSON {\"name\", \"path\", \"base_model_name\"}")
     serve.add_argument("--disable-responses-store", action="store_true",
                        help="the Responses API stores nothing: previous_response_id and GET "
                             "/v1/responses/{id} find nothing, an explicit store: true is a 400")
@@ -246,7 +260,12 @@ def main(argv=None) -> int:
     from serving.engine.llm_engine import LLMEngine
     try:
         chat = _chat_options(args) if args.command == "serve" else None
+        modules = [LoRAModule.parse(m) for m in getattr(args, "lora_modules", None) or []]
+        if modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         engine = LLMEngine(_engine_config(args))
+        for m in modules:
+            engine.lora.register(m.name, m.path, m.base_model_name)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -79,7 +79,7 @@ def test_salt_model_and_prompt_logprobs_keep_requests_off_the_cache():
     salted = Request("y", PROMPT, SamplingParams(cache_salt="tenant-1"))
     kvm = sched.kv_cache_manager
     assert (kvm.extra_keys(plain), kvm.extra_keys(salted)) == (
-        ("weights-a",), ("weights-a", "tenant-1"))
+        ("weights-a",), ("weights-a", "salt:tenant-1"))
     assert hash_pages(PROMPT, PS, ("weights-a",)) != hash_pages(PROMPT, PS, ("weights-b",))
 
 

@@ -74,6 +74,13 @@ class EngineConfig:
     # pooling_type LAST | MEAN | CLS, normalize); None: the model folder's
     # sentence-transformers files, else LAST with normalize
     pooler_config: str | dict | None = None
+    # LoRA adapters (vLLM's flags; serving/lora/): off unless enable_lora; max_loras
+    # adapters in one step, each of rank <= max_lora_rank; max_cpu_loras parsed adapters
+    # kept on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     progress: bool = True
 
     @classmethod

@@ -139,5 +139,11 @@ class KVCacheManager:
         return hashes
 
     def extra_keys(self, req: Request) -> tuple[str, ...]:
+        """What else decides a page's K/V: the weights, the LoRA adapter (by a digest of its
+        files, so an adapter reloaded under the same name never meets its old pages), and
+        the request's cache_salt."""
+        keys = (self.model_key,)
+        if req.lora_key is not None:
+            keys += ("lora:" + req.lora_key,)
         salt = req.sampling_params.cache_salt
-        return (self.model_key,) if salt is None else (self.model_key, salt)
+        return keys if salt is None else keys + ("salt:" + salt,)

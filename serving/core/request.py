@@ -57,10 +57,17 @@ class Request:
     # An embedding request (core/pooling_params.py): prefill only; it finishes when its
     # prompt is computed, emits no token and leaves nothing in the prefix cache.
     pooling_params: object | None = None
+    # A LoRA request's adapter (serving/lora/peft.py Adapter: weights and digest); None: base
+    lora: object | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = frozenset(self.eos_token_ids)
+
+    @property
+    def lora_key(self) -> str | None:
+        """The adapter's identity (a digest of its config and weights), None for the base."""
+        return None if self.lora is None else self.lora.digest
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # cap on one prefill chunk; 0: only the budget caps it
     enable_prefix_caching: bool = True
     model_key: str = ""  # names the weights in page hashes
+    # LoRA: the most distinct adapters running at once (the device's slots); 0: LoRA off
+    max_loras: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -182,6 +184,8 @@ class Scheduler:
         while (self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs - self._used_rows(out)):
             req = self.waiting[0]
+            if not self._adapter_fits(req):
+                break  # FCFS: it waits for a running adapter's requests to finish
             hit = self.kv_cache_manager.get_computed_pages(req)
             req.num_computed_tokens = len(hit) * self.config.page_size
             n = self._num_new_tokens(req, budget)
@@ -195,6 +199,14 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Running requests use at most max_loras distinct adapters, so every step's
+        adapters fit the device's slots (vLLM admits the same way)."""
+        if req.lora_key is None or not self.config.max_loras:
+            return True
+        running = {r.lora_key for r in self.running} - {None}
+        return req.lora_key in running or len(running) < self.config.max_loras
 
     @staticmethod
     def _used_rows(out: SchedulerOutput) -> int:

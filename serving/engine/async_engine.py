@@ -43,6 +43,9 @@ class EngineStats:
     num_prompt_tokens_total: int = 0  # prompt tokens computed
     num_generation_tokens_total: int = 0
     spec: SpecDecodeStats | None = None  # running totals, when speculation is on
+    # LoRA on: adapter name -> requests running / waiting (the lora_requests_info metric)
+    running_loras: dict[str, int] | None = None
+    waiting_loras: dict[str, int] | None = None
 
 
 class RequestStream:
@@ -139,17 +142,19 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str, queue: asyncio.Queue | None = None) -> RequestStream:
+                 request_id: str, queue: asyncio.Queue | None = None,
+                 lora_request=None) -> RequestStream:
         """Submits the request now (so admission control sees it at once) and returns its
-        output stream, delivering into `queue` if given. Raises EngineDeadError if the
-        engine has died."""
+        output stream, delivering into `queue` if given; with the adapter `lora_request`
+        names (serving/lora/). Raises EngineDeadError if the engine has died."""
         stream = RequestStream(self, request_id, queue, params.n)
         with self._wake:
             if self.dead is not None:
                 raise EngineDeadError(f"the engine is dead: {self.dead}")
             self._streams[request_id] = stream
             self._num_unadded += 1
-            self._commands.append((self._add, (request_id, list(prompt_token_ids), params)))
+            self._commands.append((self._add, (request_id, list(prompt_token_ids), params,
+                                               lora_request)))
             self._wake.notify()
         return stream
 
@@ -183,7 +188,17 @@ class AsyncEngine:
                            s.num_preemptions_total, kvm.prefix_cache_queries,
                            kvm.prefix_cache_hits, s.num_prompt_tokens_total,
                            s.num_generation_tokens_total,
-                           s.spec_stats.snapshot() if self.engine.drafter else None)
+                           s.spec_stats.snapshot() if self.engine.drafter else None,
+                           *(_adapter_counts(s) if self.engine.lora else (None, None)))
+
+    @property
+    def lora(self):
+        """The LoRA manager (serving/lora/manager.py), None without --enable-lora."""
+        return self.engine.lora
+
+    def uses_adapter(self, digest: str) -> bool:
+        """Whether an unfinished request runs with this adapter (unloading waits for them)."""
+        return any(r.lora_key == digest for r in list(self.engine.scheduler.requests.values()))
 
     def _forget(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
@@ -195,9 +210,10 @@ class AsyncEngine:
             self._commands.append((fn, args))
             self._wake.notify()
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams,
+             lora_request=None) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request)
         except Exception as e:  # noqa: BLE001 - refused: the caller sees why
             self._deliver(request_id, e if isinstance(e, ValueError)
                           else RuntimeError(f"adding the request failed: {e}"))
@@ -270,3 +286,13 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
                 if self._stats_log:
                     self._stats_log.maybe_log(self.stats())
+
+
+def _adapter_counts(scheduler) -> tuple[dict[str, int], dict[str, int]]:
+    running: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+    for group, reqs in ((running, list(scheduler.running)), (waiting, list(scheduler.waiting))):
+        for r in reqs:
+            if r.lora is not None:
+                group[r.lora.name] = group.get(r.lora.name, 0) + 1
+    return running, waiting

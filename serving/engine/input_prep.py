@@ -57,13 +57,18 @@ def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int,
 
 def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
             max_num_seqs: int, bitmask_width: int = 0,
-            pooling_type: str | None = None) -> StepArrays:
-    """pooling_type: an embedding engine's (core/pooling_params.py), else None."""
+            pooling_type: str | None = None, lora_slots: list[int] | None = None) -> StepArrays:
+    """pooling_type: an embedding engine's (core/pooling_params.py), else None.
+    lora_slots: with LoRA on, each scheduled request's adapter slot (-1: none)."""
     sched = out.scheduled
     T, R, P = step_shape(buckets, out.num_batched_tokens,
                          max(len(s.page_ids) for s in sched), max_num_seqs)
     first_rows = _first_rows(sched, R)
     batch = _token_arrays(sched, T, R, P, page_size, first_rows)
+    if lora_slots is not None:  # every token of a request uses its adapter
+        batch["lora_slots"] = np.full(T, -1, np.int32)
+        counts = [s.num_new_tokens for s in sched]
+        batch["lora_slots"][:sum(counts)] = np.repeat(np.asarray(lora_slots, np.int32), counts)
     sampling = _sampling_arrays(out, R)
     wants = any(s.request.sampling_params.logprobs is not None for s in sched)
     history = (_history(sched, *history_shape((T, R, P), page_size))

@@ -9,6 +9,7 @@ from serving.engine.llm_engine import LLMEngine
 from serving.core.outputs import CompletionOutput
 from serving.core.pooling_params import PoolingParams
 from serving.core.sampling_params import SamplingParams
+from serving.lora.request import LoRARequest
 
 
 @dataclass
@@ -59,9 +60,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[CompletionResult]:
-        """prompts: a string, a list of token ids, or a list of either."""
+        """prompts: a string, a list of token ids, or a list of either. lora_request: the
+        adapter of every prompt, or one per prompt (None: the base model), on an engine
+        with enable_lora=True."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -69,16 +73,20 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = (lora_request if isinstance(lora_request, list)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         results, ids = [], {}
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 logprobs = [] if p.logprobs is not None else None
                 result = CompletionResult(tokens, [CompletionOutput(logprobs=logprobs)
                                                    for _ in range(p.n)])
                 self._counter += 1
                 request_id = f"offline-{self._counter}"
-                self.engine.add_request(request_id, tokens, p)  # the engine runs the n samples
+                self.engine.add_request(request_id, tokens, p, lora)  # it runs the n samples
                 ids[request_id] = result
                 results.append(result)
         except BaseException:

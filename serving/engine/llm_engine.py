@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -47,6 +48,8 @@ from serving.engine.embedder import Embedder, check_task
 from serving.core.pooling import EmbeddingCollector
 from serving.core.pooling_params import PoolingParams, resolve_task
 from serving.engine.spec_outputs import emitted_tokens, feed_until_stop
+from serving.engine.lora_slots import start_lora
+from serving.lora.request import LoRAError, LoRARequest
 
 log = logging.getLogger("xlaserve")
 
@@ -133,6 +136,7 @@ class LLMEngine:
                                   executable_dir=self.executable_dir, placement=self.placement,
                                   pooling=self.embedder is not None)
         del params
+        self.lora = start_lora(ec, self.runner, self.task) if ec.enable_lora else None
         self.memory_plan = None
         limit = mesh.gpu_memory_limit(self.placement)
         if limit:
@@ -157,7 +161,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
-            model_key=model_key(self.model_dir, ec)))
+            model_key=model_key(self.model_dir, ec),
+            max_loras=self.lora.config.max_loras if self.lora else 0))
         self.runner.allocate_kv_cache(self.num_pages)
         if self.placement.size > 1:
             mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
@@ -194,9 +199,10 @@ class LLMEngine:
 
     def device_weight_bytes(self) -> int:
         """Weight bytes on one device (the most any holds, tensor parallel)."""
+        lora = self.runner.lora.num_bytes if self.runner.lora else 0
         if self.placement.size == 1:
-            return self.weight_bytes
-        return self.placement.weight_bytes(self.runner.params)
+            return self.weight_bytes + lora
+        return self.placement.weight_bytes(self.runner.params) + lora
 
     def _activation_peak(self, max_len: int) -> int:
         """Temporaries of the largest step program at this context length."""
@@ -255,15 +261,18 @@ class LLMEngine:
                 f"{c.disable_by_batch_size} running requests")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
         """Queues a request (an embedding one with PoolingParams, on a --task embed
-        engine); raises ValueError if it can never run."""
+        engine), with a LoRA adapter if `lora_request` names one; raises ValueError if it
+        can never run."""
         check_task(self.task, params)
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt_token_ids, params)
         check_request_token_ids(prompt_token_ids, params, self.vocab_size)
         check_logprobs(params, self.config.max_logprobs)
-        parent = ParentRequest.expand(request_id, prompt_token_ids, params, self._make_request)
+        adapter = self._adapter(lora_request)
+        parent = ParentRequest.expand(request_id, prompt_token_ids, params,
+                                      partial(self._make_request, lora=adapter))
         first, *rest = parent.children
         if any(c.request_id in self._states for c in rest):  # held ones: not in the scheduler
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -292,11 +301,19 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._states[request_id] = _State(req, None, parent_id=request_id, embedding=collector)
 
+    def _adapter(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with "
+                            "enable_lora=True (--enable-lora)")
+        return self.lora.resolve(lora_request)
+
     def _make_request(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> Request:
+                      params: SamplingParams, lora=None) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                      seed=seed % 2**32)
+                      seed=seed % 2**32, lora=lora)
         if params.structured_outputs is not None:
             req.grammar = self.grammar_compiler.matcher(params.structured_outputs)
             self.grammar_compiler.fill([req.grammar])
@@ -385,9 +402,11 @@ class LLMEngine:
     def _build(self, out: SchedulerOutput):
         if self.faults:
             self.faults.check("sampling", (s.request for s in out.scheduled))
+        lora_slots = (self.lora.step_slots([s.request.lora for s in out.scheduled])
+                      if self.lora else None)
         return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs,
                        self.runner.bitmask_width,
-                       self.embedder and self.embedder.pooler.pooling_type)
+                       self.embedder and self.embedder.pooler.pooling_type, lora_slots)
 
     def _prepare(self, out: SchedulerOutput):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot

@@ -19,6 +19,7 @@ from model.transformer import compute_logits, forward_hidden
 from serving.engine.executable_cache import (ExecutableCache, avals_signature, load_or_compile,
                                              program_for)
 from serving.engine.input_prep import StepArrays, history_shape
+from serving.engine.lora_slots import DeviceLoRA
 from serving.engine.mesh import SingleDevice
 from serving.engine.pooling import PoolingProgram
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
@@ -29,15 +30,17 @@ from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInput
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, history, bitmask, *, layout, cfg: ModelConfig, backend: str,
-          num_top: int, vocab_size: int, axis: str | None = None):
+def _step(params, cache, buffers, history, bitmask, lora_slots=None, *, layout,
+          cfg: ModelConfig, backend: str, num_top: int, vocab_size: int,
+          axis: str | None = None):
     """-> (sampled tokens, which rows are outputs (rejection_sampler), the tokens' hidden
     states in blocks for prompt logprobs, cache). axis: tensor parallel, this runs on one
-    shard (serving/engine/mesh.py)."""
+    shard (serving/engine/mesh.py). lora_slots: the adapters' device slots (model/lora.py)
+    when LoRA is on."""
     batch, sampling = _unpack(buffers, layout)
     sampling["history"] = history
     batch, draft_ids, row_start = split_batch(batch)
-    hidden, cache = forward_hidden(params, cache, batch, cfg, backend, axis)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, backend, axis, lora_slots)
     # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
     logits = compute_logits(params, hidden[batch.logits_indices], cfg, axis)[:, :vocab_size]
     sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
@@ -153,6 +156,7 @@ class ModelRunner:
             prompt_logprobs, cfg=where.model_cfg, num_top=max_logprobs, axis=where.axis)))
         self._prompt_program = None
         self.pooling = PoolingProgram(self) if pooling else None
+        self.lora: DeviceLoRA | None = None  # enable_lora
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """On one device the zeros are written on a thread of their own (the CPU runtime
@@ -183,11 +187,9 @@ class ModelRunner:
         """Temporary bytes the step program of `example`'s shape needs (XLA's buffer
         assignment of the compiled program, read before any cache exists: the cache is an
         abstract two-page stand-in, donated and aliased, so its size does not count)."""
-        buffers, layout = _pack(example)
         cache = self.placement.abstract_cache(2, self.page_size, self.kv_cache_dtype)
-        compiled = self._jitted.lower(self.params, cache, buffers, self._history(example),
-                                      self._bitmask(example),
-                                      layout=layout).compile()
+        args, layout = self._step_args(example, cache)
+        compiled = self._jitted.lower(*args, layout=layout).compile()
         stats = compiled.memory_analysis()
         if stats is None:
             raise RuntimeError("this backend reports no memory analysis for a compiled step")
@@ -207,7 +209,8 @@ class ModelRunner:
                 model=repr(self.cfg), params=avals_signature(self.params),
                 cache=avals_signature(self._cache_shape), backend=self.backend,
                 page_size=self.page_size, max_logprobs=self.max_logprobs,
-                vocab_size=self.vocab_size))
+                vocab_size=self.vocab_size,
+                lora=self.lora and avals_signature(self.lora.slots)))
         return self._executables
 
     def _load_or_compile(self, lower, args, shape, layout) -> tuple[object, bool]:
@@ -218,9 +221,7 @@ class ModelRunner:
         """Loads the program of one bucket shape from the executable cache, or traces,
         lowers and compiles it (and saves it there). Returns (seconds, loaded)."""
         started = time.perf_counter()
-        buffers, layout = _pack(example)
-        args = (self.params, self._cache_shape, buffers, self._history(example),
-                self._bitmask(example))
+        args, layout = self._step_args(example, self._cache_shape)
         program, loaded = self._load_or_compile(
             lambda: self._jitted.lower(*args, layout=layout), args, shape, layout)
         self._compiled[shape] = (program, layout)
@@ -269,11 +270,9 @@ class ModelRunner:
         """Launches one step without waiting for it; returns a handle for `fetch`."""
         if self.step_sink is not None:
             self.step_sink(arrays)
-        buffers, layout = _pack(arrays)
+        args, layout = self._step_args(arrays, self.cache, put=True)
         program = program_for(self._compiled, arrays.shape, layout, "step")
-        out, emitted, blocks, self.cache = program(
-            self.params, self.cache, self.placement.put(buffers), self._history(arrays),
-            self._bitmask(arrays))
+        out, emitted, blocks, self.cache = program(*args)
         out.tokens.copy_to_host_async()
         emitted.copy_to_host_async()
         if arrays.wants_logprobs:
@@ -285,6 +284,22 @@ class ModelRunner:
         if arrays.pooling_rows is not None:
             pooled = self.pooling.launch(blocks, arrays.pooling_rows)
         return out, emitted, arrays.wants_logprobs, prompt, pooled
+
+    def _step_args(self, arrays: StepArrays, cache, put: bool = False) -> tuple[tuple, tuple]:
+        """(the step program's arguments, the layout of its packed arrays)."""
+        if self.lora is not None and "lora_slots" not in arrays.batch:  # no request uses one
+            arrays.batch["lora_slots"] = np.full(arrays.shape[0], -1, np.int32)
+        buffers, layout = _pack(arrays)
+        args = (self.params, cache, self.placement.put(buffers) if put else buffers,
+                self._history(arrays), self._bitmask(arrays))
+        return args + ((self.lora.slots,) if self.lora is not None else ()), layout
+
+    def enable_lora(self, config) -> None:
+        """Gives every step program LoRA slots (serving/engine/lora_slots.py); before
+        warm-up, as the programs' arguments change."""
+        if self.placement.size > 1:
+            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
+        self.lora = DeviceLoRA(self.cfg, self.params, config)
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:

@@ -19,6 +19,7 @@ from serving.openai import protocol as p
 from serving.openai import responses
 from serving.openai import sse
 from serving.openai import responses_route
+from serving.openai import lora_routes
 from serving.openai.prompts import (chat_ids, chat_prompt, check_model, encode,
                                     forced_tool_call, prompt_choices)
 from serving.openai import embeddings
@@ -71,6 +72,7 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/openapi.json", openapi)
+    lora_routes.add_routes(app)
     return app
 
 
@@ -105,7 +107,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_admission(state)
     body = await read_json(request)
     req = p.parse_completion_request(body, engine.max_model_len, engine.max_logprobs)
-    check_model(state, req.model)
+    lora = check_model(state, req.model)
     await sp.compile_constraint(engine, req.params, body)
     for prompt in req.prompts:
         if isinstance(prompt, str):
@@ -118,7 +120,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len)
         params = sp.with_max_tokens(req.params, max_tokens)
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
-        choices += prompt_choices(ids, i, params, i * req.params.n, echo, echo_only=req.echo_only,
+        choices += prompt_choices(ids, i, params, i * req.params.n, echo, lora,
+                                  echo_only=req.echo_only,
                             echo_logprobs=req.echo and req.params.logprobs is not None,
                             prompt_logprobs=req.prompt_logprobs)
     wants_texts = req.params.logprobs is not None or req.prompt_logprobs is not None
@@ -138,7 +141,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = parse_tool_choice(body, state.tool_call_parser is not None)
     template_kwargs = chat_template_kwargs(body)
     include_reasoning = p.opt_bool(body, "include_reasoning", True)
-    check_model(state, req.model)
+    lora = check_model(state, req.model)
     prompt, ids = chat_prompt(state, req.messages, req.add_generation_prompt,
                                tools=tools.tools, template_kwargs=template_kwargs)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
@@ -159,7 +162,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
                          tools, state.tool_call_parser, logprobs=req.logprobs,
                          reasoning=reasoning, include_reasoning=include_reasoning)
-    choices = prompt_choices(ids, 0, params, 0, prompt_logprobs=req.prompt_logprobs)
+    choices = prompt_choices(ids, 0, params, 0, lora=lora,
+                             prompt_logprobs=req.prompt_logprobs)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
 
 
@@ -171,13 +175,15 @@ def _model_card(state: ServerState) -> dict:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [_model_card(state)]})
+    return web.json_response({"object": "list",
+                              "data": [_model_card(state), *lora_routes.cards(state)]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    check_model(state, request.match_info["model"])
-    return web.json_response(_model_card(state))
+    adapter = check_model(state, request.match_info["model"])
+    return web.json_response(_model_card(state) if adapter is None
+                             else lora_routes.card(state, adapter))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -189,7 +195,8 @@ async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
     spec = openapi_spec(state.model, state.engine.vocab_size, state.engine.max_model_len,
                         state.engine.max_logprobs)
-    return web.json_response(embeddings.openapi_for_task(spec, state))
+    return web.json_response(lora_routes.openapi_for_lora(
+        embeddings.openapi_for_task(spec, state), state))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -199,6 +206,10 @@ async def metrics(request: web.Request) -> web.Response:
                                    stats.num_preemptions_total,
                                    stats.prefix_cache_queries, stats.prefix_cache_hits)
     state.metrics.set_spec_decode_stats(stats.spec)
+    lora = lora_routes.manager(state)
+    if lora is not None:
+        state.metrics.set_lora_stats(stats.running_loras, stats.waiting_loras,
+                                     lora.config.max_loras)
     response = web.Response(body=state.metrics.render())
     response.headers["Content-Type"] = state.metrics.content_type
     return response

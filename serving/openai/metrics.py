@@ -76,6 +76,11 @@ class Metrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Time a request waited before it was first scheduled.",
                                     REQUEST_BUCKETS)
+        # vLLM's LoRA gauge (the Gateway API inference extension reads it): the time of the
+        # last update, labelled with the adapters running and waiting and the slot count
+        self._lora_info = Gauge(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                                registry=self.registry)
         self._seen: dict[str, int] = {}  # engine running totals already counted
 
     # -- called by the server -------------------------------------------------------------
@@ -109,6 +114,16 @@ class Metrics:
         self._advance(self.num_preemptions, "preemptions", preemptions_total)
         self._advance(self.prefix_cache_queries, "queries", prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "hits", prefix_cache_hits)
+
+    def set_lora_stats(self, running: dict[str, int] | None, waiting: dict[str, int] | None,
+                       max_lora: int) -> None:
+        """Adapter name -> request count, running and waiting (None: LoRA is off). Only the
+        latest label set is kept."""
+        if running is None:
+            return
+        self._lora_info.clear()
+        self._lora_info.labels(",".join(sorted(running)), ",".join(sorted(waiting or {})),
+                               str(max_lora)).set_to_current_time()
 
     def set_spec_decode_stats(self, spec) -> None:
         """spec: the engine's SpecDecodeStats running totals (None: speculation is off)."""

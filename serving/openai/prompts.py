@@ -15,11 +15,18 @@ from serving.openai.server_state import ServerState, check_prompt_size
 
 # -- request helpers -----------------------------------------------------------------------
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model:
+def check_model(state: ServerState, model: str | None):
+    """-> the LoRARequest of the adapter `model` names, or None for the base model; an
+    unknown name is a 404."""
+    if model is None or model == state.model:
+        return None
+    manager = getattr(state.engine, "lora", None)
+    adapter = manager.named.get(model) if manager is not None else None
+    if adapter is None:
         raise p.ProtocolError(f"The model '{model}' does not exist; this server serves "
                               f"'{state.model}'.", status=404, param="model",
                               code="model_not_found")
+    return adapter
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -57,12 +64,13 @@ def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt:
 
 
 def prompt_choices(prompt_ids: list[int], prompt_index: int, params, first_index: int,
-             prompt_text: str = "", **echo) -> list[sse.Choice]:
+             prompt_text: str = "", lora=None, **echo) -> list[sse.Choice]:
     """The n choices of one prompt: one engine request whose samples they are. echo:
-    sse.Choice's echo_only, echo_logprobs and prompt_logprobs."""
+    sse.Choice's echo_only, echo_logprobs and prompt_logprobs. lora: check_model's."""
     request_id = responses.new_id("req")
     return [sse.Choice(first_index + i, request_id, prompt_ids, params, prompt_index,
-                       prompt_text, sample_index=i, **echo) for i in range(params.n)]
+                       prompt_text, sample_index=i, lora=lora, **echo)
+            for i in range(params.n)]
 
 
 def forced_tool_call(params, tools):

@@ -53,6 +53,7 @@ class Choice:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, with this top k
     echo_pending: bool = False  # streaming: the echo waits for the prompt's logprobs
     sample_index: int = 0  # RequestOutput.index of this choice's sample
+    lora: object | None = None  # the LoRARequest the `model` field named; None: the base
 
 
 class OutputStream:
@@ -76,8 +77,9 @@ class OutputStream:
         try:
             for c in choices:
                 if c.request_id not in self._streams:
+                    adapter = {"lora_request": c.lora} if c.lora is not None else {}
                     self._streams[c.request_id] = engine.generate(
-                        c.prompt_ids, c.params, c.request_id, queue=self._queue)
+                        c.prompt_ids, c.params, c.request_id, queue=self._queue, **adapter)
         except BaseException:
             for stream in self._streams.values():  # withdraw the ones already submitted
                 stream.close()
