@@ -103,6 +103,12 @@ def write_slot(slots, slot, one):
     return jax.tree.map(lambda s, o: s.at[slot].set(o.astype(s.dtype)), slots, one)
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def write_slot_stacked(slots, slot, one):
+    """write_slot for tensor parallelism: every leaf [shards, S, ...], `one` [shards, ...]."""
+    return jax.tree.map(lambda s, o: s.at[:, slot].set(o.astype(s.dtype)), slots, one)
+
+
 def token_mask(lora_slots, num_slots: int, dtype):
     """int32[T] slots (-1: none) -> [T, S] one-hot rows (all zero for the base model)."""
     return (lora_slots[:, None] == jnp.arange(num_slots)[None, :]).astype(dtype)

@@ -27,12 +27,14 @@ from serving.cli import main
 from tests.demo_engine import demo_llm
 from tests.gguf_tiny import LLAMA3_ROPE, write_gguf
 from tests.hf_tiny import tiny_hf_model
+from tests.lora_tiny import make_adapter
 from tests.tp_child import MAX_TOKENS, PROMPTS, requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 4
 # Heads 8 / KV heads 2 split 2 and 4 ways (4: each KV head on two devices); vocabulary 210
 # pads to 212 at TP=4. A larger initializer than HF's makes greedy choices clear-cut.
+LORA = dict(enable_lora=True, max_loras=2)
 SHAPES = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
               intermediate_size=96, vocab_size=210, initializer_range=0.1)
 
@@ -44,11 +46,17 @@ def models(tmp_path_factory):
     for family, extra in (("llama", dict(attention_bias=True, mlp_bias=True)),
                           ("mistral", {}), ("qwen2", {}), ("qwen3", {})):
         made[family] = root / family
-        tiny_hf_model(family, made[family], seed=1, **SHAPES, **extra)
+        base = tiny_hf_model(family, made[family], seed=1, **SHAPES, **extra)
+        if family == "llama":  # two LoRA adapters over it, every projection or a few
+            for i, name in enumerate(("sql", "chat")):
+                made[f"lora-{name}"] = root / f"lora-{name}"
+                make_adapter(base, name, made[f"lora-{name}"], seed=i, size=0.5)
     # int4 splits row-parallel inputs in whole groups of 32: 128 / 2 for o_proj and down_proj
     made["llama-int4"] = root / "llama-int4"
     model = tiny_hf_model("llama", made["llama-int4"], seed=1, rope_parameters=LLAMA3_ROPE,
                           **{**SHAPES, "intermediate_size": 128, "head_dim": 16})
+    made["lora-int4"] = root / "lora-int4"
+    make_adapter(model, "sql", made["lora-int4"], seed=2, size=0.5)
     # its GGUF: 4- and 8-bit groups, a Q8_0 table and head, one layer's ffn_down in a form
     # of its own (Q5_0, dequantized at load)
     made["llama-gguf"], _ = write_gguf(model, "llama", root / "llama.gguf", {
@@ -79,6 +87,15 @@ def cases(models, demo_checkpoint) -> dict:
                            options=dict(cpu, quantize="int4:lm_head"), kv_heads=1),
         "llama-gguf": dict(model=str(models["llama-gguf"]), sizes=[1, 2], options=cpu,
                            kv_heads=1),
+        # LoRA: B split with column-parallel projections, A with row-parallel ones; 2 KV
+        # heads over 4 devices (replicated k/v columns); over an int4 base
+        "llama-lora": dict(model=str(models["llama"]), sizes=[1, 4], kv_heads=1,
+                           options=dict(cpu, quantize="none", **LORA),
+                           loras=[str(models["lora-sql"]), None, str(models["lora-chat"])]),
+        "llama-int4-lora": dict(model=str(models["llama-int4"]), sizes=[1, 2], kv_heads=1,
+                                options=dict(cpu, quantize="int4:lm_head", **LORA),
+                                loras=[None, str(models["lora-int4"]),
+                                       str(models["lora-int4"])]),
         "qwen2-moe": dict(model=str(models["qwen2_moe"]), sizes=[1, 2, 4],
                           options=dict(cpu, quantize="none"), kv_heads=1),
         "qwen2-moe-expert-parallel": dict(
@@ -118,7 +135,7 @@ def results(models, demo_checkpoint, tmp_path_factory):
 
 
 CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
-         "llama-gguf", "qwen2-moe", "qwen2-moe-expert-parallel",
+         "llama-gguf", "llama-lora", "llama-int4-lora", "qwen2-moe", "qwen2-moe-expert-parallel",
          "qwen3-moe-int8-expert-parallel", "demo")
 
 
@@ -155,6 +172,16 @@ def test_tokens_and_logprobs_equal_tp1(results, name, demo_checkpoint):
         share = one["device_weight_bytes"] / int(n)
         assert share < tp["device_weight_bytes"] < 1.6 * share
     assert one["mesh"] == 1
+
+
+def test_adapters_change_their_rows_only(results):
+    """The LoRA cases' base-only rows answer as the same base without LoRA; adapted rows
+    do not (so the TP = 1 comparison above compares adapted tokens)."""
+    spec, out = results
+    lora, plain = out["llama-lora"]["1"]["tokens"], out["llama-bias"]["1"]["tokens"]
+    assert lora[1] == plain[1] and lora[0] != plain[0] and lora[2] != plain[2]
+    lora, plain = out["llama-int4-lora"]["1"]["tokens"], out["llama-int4"]["1"]["tokens"]
+    assert lora[0] == plain[0] and lora[1] != plain[1]
 
 
 def test_sizes_that_do_not_split_the_model_are_refused_before_loading(models):

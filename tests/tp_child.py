@@ -36,14 +36,17 @@ def requests(max_tokens: int):
 
 
 def run_case(case: dict) -> dict:
-    from serving import LLM
+    from serving import LLM, LoRARequest
     out = {}
     prompts = case.get("prompts", PROMPTS)
     params = requests(MAX_TOKENS)
+    # per prompt: a LoRA adapter's folder or None (the engine options enable LoRA)
+    loras = [path and LoRARequest(f"adapter{i}", i + 1, path)
+             for i, path in enumerate(case.get("loras", [None] * len(prompts)))]
     for n in case["sizes"]:
         started = time.perf_counter()
         llm = LLM(case["model"], tensor_parallel_size=n, **{**SMALL, **case["options"]})
-        results = llm.generate(prompts, params)
+        results = llm.generate(prompts, params, lora_request=loras)
         engine = llm.engine
         out[str(n)] = {
             "tokens": [r.token_ids for r in results],

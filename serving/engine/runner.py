@@ -297,9 +297,7 @@ class ModelRunner:
     def enable_lora(self, config) -> None:
         """Gives every step program LoRA slots (serving/engine/lora_slots.py); before
         warm-up, as the programs' arguments change."""
-        if self.placement.size > 1:
-            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
-        self.lora = DeviceLoRA(self.cfg, self.params, config)
+        self.lora = DeviceLoRA(self.cfg, self.params, config, self.placement)
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:
