@@ -6,6 +6,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import openai
@@ -59,10 +61,15 @@ def server(tmp_path_factory, demo_model_dir):
         print(log_path.read_text(errors="replace")[-3000:])
 
 
-def streamed_text(client, model: str) -> str:
-    chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+def streamed_text(client, model: str, max_tokens: int = MAX_TOKENS, started=None) -> str:
+    chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
-    return "".join(c.choices[0].text for c in chunks if c.choices)
+    text = []
+    for c in chunks:
+        if started is not None:
+            started.set()
+        text += [c.choices[0].text] if c.choices else []
+    return "".join(text)
 
 
 def decoded(folder, ids) -> str:
@@ -124,3 +131,21 @@ def test_lora_requests_info_metric(server):
     assert samples[0].labels["max_lora"] == "2"
     assert samples[0].labels["running_lora_adapters"] == ""  # nothing runs between requests
     assert samples[0].value > 1e9  # the time of the update
+
+
+def test_unload_waits_for_the_adapters_running_requests(server):
+    port, folder, refs, client = server
+    assert request(port, "POST", "/v1/load_lora_adapter",
+                   {"lora_name": "poet2", "lora_path": str(folder / "poet")})[0] == 200
+    started, finished = threading.Event(), {}
+
+    def long_request():
+        streamed_text(client, "poet2", max_tokens=100, started=started)
+        finished["at"] = time.monotonic()
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert started.wait(120)
+    status, _, _ = request(port, "POST", "/v1/unload_lora_adapter", {"lora_name": "poet2"})
+    unloaded = time.monotonic()
+    thread.join(120)
+    assert status == 200 and finished["at"] <= unloaded
