@@ -45,7 +45,7 @@ class Linear(nn.Module):
             y = y + self.param("bias", nn.initializers.zeros, (self.features,),
                                self.param_dtype).astype(y.dtype)
         if self.has_variable("lora", "a"):  # adapters' updates (model/lora.py)
-            y = y + lora.delta(x, *(self.get_variable("lora", k) for k in ("a", "b", "mask")))
+            y = y + lora.delta(x, self.variables["lora"])
         return y
 
 

@@ -4,18 +4,18 @@ of a step using the adapter of its request (docs/architecture.md, "LoRA adapters
 Adapters live in `S` device slots (`max_loras`) at one rank `R` (`max_lora_rank`; smaller
 ranks are zero-padded, which is exact). Per linear layer a slot holds
 
-    a: [S, in, K]   b: [S, K, out]   K = parts x R, the adapter's scale folded into b
+    a: [S, in, P x R]   b0 .. b{P-1}: [S, R, out_p]   (the adapter's scale folded into b)
 
-where a joined projection (qkv_proj, gate_up_proj: model/runtime_params.py) keeps its parts'
-A matrices side by side and its B block-diagonal, so one pair of matmuls serves q, k and v.
-A token's slot comes with the step (`Batch.lora_slots`, -1: the base model alone), and
-
-    y = base(x) + ((x @ a) * onehot(slot)) @ b
-
-is two dense matmuls over every slot with the others masked out: no gather, and the same
-program whatever mix of adapters a step has. Loading an adapter writes its slot in place
-(`write_slot`, the slots donated), never a new program; `slot_arrays` builds the slot in
-numpy on the host.
+for the P projections it joins (3 for qkv_proj, 2 for gate_up_proj, model/runtime_params.py):
+one shrink for all of them, then one expand per part. A token's slot comes with the step
+(`Batch.lora_slots`, -1: the base model alone). The step sorts its tokens by slot once
+(`route`), and each site runs its shrink and expands as grouped matmuls over the sorted rows,
+as a mixture of experts runs its experts (quant/ops.py `grouped_matmul`): each token meets
+its own slot's weights only, base-only tokens come last and get zeros, and the program is
+the same whatever mix of adapters a step has. On CPUs the slots are stored in the grouped
+dense kernel's panel order, so a token gets the bits it would get alone; elsewhere
+`ragged_dot`. Loading an adapter writes its slot in place (`write_slot`, the slots
+donated), never a new program; `slot_arrays` builds the slot in numpy on the host.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from pallas_kernels import dense_matmul_cpu, grouped_matmul_cpu
 
 # The Hugging Face projections an adapter may target, and the layer module holding each.
 TARGETS = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
@@ -65,11 +66,12 @@ def sites(cfg: ModelConfig, layer: dict) -> tuple[Site, ...]:
 
 
 def empty_slots(layer_sites: list[tuple[Site, ...]], max_loras: int, rank: int, dtype):
-    """The device slots, all zero: per layer {module: {name: {"a", "b"}}}."""
+    """The device slots, all zero: per layer {module: {name: {"a", "b0", ...}}}."""
     def zeros(site: Site):
-        k = len(site.parts) * rank
-        return {"a": jnp.zeros((max_loras, site.in_features, k), dtype),
-                "b": jnp.zeros((max_loras, k, sum(site.out_features)), dtype)}
+        out = {"a": jnp.zeros((max_loras, site.in_features, len(site.parts) * rank), dtype)}
+        for j, width in enumerate(site.out_features):
+            out[f"b{j}"] = jnp.zeros((max_loras, rank, width), dtype)
+        return out
     return tuple(_nest({(s.module, s.name): zeros(s) for s in layer}) for layer in layer_sites)
 
 
@@ -81,52 +83,79 @@ def slot_arrays(layer_sites: list[tuple[Site, ...]], weights: dict, rank: int, d
     for i, layer in enumerate(layer_sites):
         entries = {}
         for site in layer:
-            k = len(site.parts) * rank
-            a = np.zeros((site.in_features, k), np.float32)
-            b = np.zeros((k, sum(site.out_features)), np.float32)
-            col = 0
+            a = np.zeros((site.in_features, len(site.parts) * rank), np.float32)
+            out = {}
             for j, (part, width) in enumerate(zip(site.parts, site.out_features)):
+                b = np.zeros((rank, width), np.float32)
                 if (i, part) in weights:
                     A, B, scale = weights[(i, part)]
                     r = A.shape[0]
                     a[:, j * rank:j * rank + r] = A.T
-                    b[j * rank:j * rank + r, col:col + width] = B.T * scale
-                col += width
-            entries[(site.module, site.name)] = {"a": a.astype(dtype), "b": b.astype(dtype)}
+                    b[:r] = B.T * scale
+                out[f"b{j}"] = b.astype(dtype)
+            entries[(site.module, site.name)] = {"a": a.astype(dtype), **out}
         layers.append(_nest(entries))
     return tuple(layers)
+
+
+def packed() -> bool:
+    """Slots in the grouped CPU kernel's panel order (pallas_kernels/grouped_matmul_cpu.py)."""
+    return grouped_matmul_cpu.kernel_available("dense")
+
+
+def _stored(one):
+    """A slot's arrays as the slots keep them: panel order where the kernel runs them."""
+    if not packed():
+        return one
+    pack = dense_matmul_cpu.pack_panels
+    return jax.tree.map(lambda w: jnp.vectorize(pack, signature="(k,n)->(k,n)")(w), one)
 
 
 @partial(jax.jit, donate_argnums=(0,))
 def write_slot(slots, slot, one):
     """slots with slot `slot` (a traced int: one program for every slot) replaced by `one`."""
-    return jax.tree.map(lambda s, o: s.at[slot].set(o.astype(s.dtype)), slots, one)
+    return jax.tree.map(lambda s, o: s.at[slot].set(o.astype(s.dtype)), slots, _stored(one))
 
 
 @partial(jax.jit, donate_argnums=(0,))
 def write_slot_stacked(slots, slot, one):
     """write_slot for tensor parallelism: every leaf [shards, S, ...], `one` [shards, ...]."""
-    return jax.tree.map(lambda s, o: s.at[:, slot].set(o.astype(s.dtype)), slots, one)
+    return jax.tree.map(lambda s, o: s.at[:, slot].set(o.astype(s.dtype)), slots, _stored(one))
 
 
-def token_mask(lora_slots, num_slots: int, dtype):
-    """int32[T] slots (-1: none) -> [T, S] one-hot rows (all zero for the base model)."""
-    return (lora_slots[:, None] == jnp.arange(num_slots)[None, :]).astype(dtype)
+def route(lora_slots, num_slots: int) -> dict:
+    """int32[T] slots (-1: none) -> the step's token order by slot, base-only tokens last:
+    {"order", "inverse" (int32[T]), "sizes" (int32[S], tokens per slot)}."""
+    key = jnp.where(lora_slots < 0, num_slots, lora_slots)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sizes = jnp.sum(key[None, :] == jnp.arange(num_slots)[:, None], axis=1).astype(jnp.int32)
+    return {"order": order, "inverse": jnp.argsort(order).astype(jnp.int32), "sizes": sizes}
 
 
-def layer_variables(layer_slots: dict, mask) -> dict:
-    """A layer's slots with the step's token mask beside each site's a and b: the "lora"
+def layer_variables(layer_slots: dict, routing: dict) -> dict:
+    """A layer's slots with the step's routing beside each site's weights: the "lora"
     collection the layer's Linear modules read (model/layers.py)."""
-    return {m: {n: {**ab, "mask": mask} for n, ab in names.items()}
+    return {m: {n: {**w, **routing} for n, w in names.items()}
             for m, names in layer_slots.items()}
 
 
-def delta(x, a, b, mask):
-    """x: [T, in] -> the LoRA update [T, out] of each token's slot (zero for slot -1)."""
-    xa = jnp.einsum("ti,sik->tsk", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
-    xa = (xa * mask[:, :, None].astype(jnp.float32)).astype(x.dtype)
-    return jnp.einsum("tsk,sko->to", xa, b.astype(x.dtype),
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+def delta(x, site: dict):
+    """x: [T, in] -> the LoRA update [T, out] of each token's slot (zero for slot -1).
+    site: layer_variables' entry of one Linear."""
+    sizes = site["sizes"]
+    xa = _grouped(x[site["order"]], site["a"], sizes)
+    rank = site["b0"].shape[1]
+    parts = [_grouped(xa[:, j * rank:(j + 1) * rank], site[f"b{j}"], sizes)
+             for j in range(xa.shape[1] // rank)]
+    return jnp.concatenate(parts, axis=-1)[site["inverse"]]
+
+
+def _grouped(rows, w, sizes):
+    """rows sorted by slot against their slot's weight; rows past the slots' sum: zeros."""
+    if packed():
+        return grouped_matmul_cpu.grouped_matmul("dense", rows, sizes, w)
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes,
+                              preferred_element_type=jnp.float32).astype(rows.dtype)
 
 
 def _nest(flat: dict) -> dict:

@@ -21,7 +21,6 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
@@ -174,21 +173,21 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 REPLICATED = ("router", "shared_expert_gate")
 
 
-def shard_lora_site(site, a, b, cfg: ModelConfig, n: int, shard: int):
-    """One LoRA site's a [in, K] and b [K, out] (model/lora.py) -> this shard's, as its
-    projection splits: column-parallel ones keep A whole and take B's columns of the shard's
-    heads or units, part by part; row-parallel ones take A's rows of the shard's inputs and
-    keep B whole, their partial sums joining the layer's psum. numpy, on the host."""
+def shard_lora_site(site, arrays: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
+    """One LoRA site's slot arrays (model/lora.py: a [in, P x R], b_p [R, out_p]) -> this
+    shard's, as its projection splits: column-parallel ones keep A whole and take each B's
+    columns of the shard's heads or units; row-parallel ones take A's rows of the shard's
+    inputs and keep B whole, their partial sums joining the layer's psum. numpy, on the
+    host."""
     ranges = _ranges(cfg, n, shard)
     if site.name in ROW_PARALLEL:
         start, stop = ranges["o_proj" if site.name == "o_proj" else "mlp"]
-        return a[start:stop], b
-    cols, offset = [], 0
-    for part, width in zip(site.parts, site.out_features):
+        return {**arrays, "a": arrays["a"][start:stop]}
+    out = {"a": arrays["a"]}
+    for j, part in enumerate(site.parts):
         start, stop = ranges.get(part, ranges["mlp"])  # gate and up: by intermediate unit
-        cols.append(b[:, offset + start:offset + stop])
-        offset += width
-    return a, np.concatenate(cols, axis=1)
+        out[f"b{j}"] = arrays[f"b{j}"][:, start:stop]
+    return out
 
 
 def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:

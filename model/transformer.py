@@ -108,14 +108,13 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
         x = embed_vocab_parallel(params["embed"], batch.input_ids, cfg.dtype, axis)
     layer = DecoderLayer(cfg, backend, axis)
     windows = cfg.sliding_windows or (0,) * cfg.num_layers
-    mask = None
+    routing = None
     if lora_slots is not None:
-        num_slots = jax.tree.leaves(lora_slots)[0].shape[0]
-        mask = lora.token_mask(batch.lora_slots, num_slots, cfg.dtype)
+        routing = lora.route(batch.lora_slots, jax.tree.leaves(lora_slots)[0].shape[0])
     for i in range(cfg.num_layers):
         variables = {"params": params["layers"][i]}
-        if mask is not None:
-            variables["lora"] = lora.layer_variables(lora_slots[i], mask)
+        if routing is not None:
+            variables["lora"] = lora.layer_variables(lora_slots[i], routing)
         x, cache = layer.apply(variables, x, cache, i, jnp.int32(windows[i]), batch)
     return x, cache
 

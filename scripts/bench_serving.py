@@ -202,8 +202,9 @@ async def run_benchmark(base_url: str, endpoint: str, model: str, requests: list
     import aiohttp
 
     url = base_url.rstrip("/") + endpoint
-    bodies = [request_body(endpoint, model, r, ignore_eos=ignore_eos, temperature=temperature)
-              for r in requests]
+    names = model.split(",")  # several (LoRA adapters, say): requests take them in turn
+    bodies = [request_body(endpoint, names[i % len(names)], r, ignore_eos=ignore_eos,
+                           temperature=temperature) for i, r in enumerate(requests)]
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     # A new connection per request: llama-server closes idle keep-alive connections after 5 s,
     # and a pooled one it closed fails the next request (ServerDisconnectedError).
@@ -296,7 +297,9 @@ def sweep_table(points: list[dict], label: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    p.add_argument("--model", default=None,
+                   help="model name to send (default: first of /v1/models); comma-separated "
+                        "names (LoRA adapters) are spread over the requests in turn")
     p.add_argument("--endpoint", default="/v1/completions",
                    choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--dataset", default="random",

@@ -119,3 +119,32 @@ def test_refusals(family, tmp_path):
     with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
         llm.generate(PROMPTS[:1], GREEDY, lora_request=[None, None])
     assert not llm.engine.has_unfinished
+
+
+def test_grouped_kernel_and_ragged_dot_paths_agree(monkeypatch, tmp_path):
+    """The slots in the CPU kernel's panel order (the default here) and plain for
+    `ragged_dot` (other devices) give the same logits, adapters mixed with the base."""
+    base = tiny_hf_model("llama", tmp_path / "base")
+    make_adapter(base, "sql", tmp_path / "sql", seed=4)
+    make_adapter(base, "chat", tmp_path / "chat", seed=5)
+    cfg, params = load_model(tmp_path / "base", progress=False)
+    params = prepare_params(params)
+    sites = [lora.sites(cfg, layer) for layer in params["layers"]]
+    available = [{p for s in x for p in s.parts} for x in sites]
+    table = np.arange(1, 1 + 3 * 12, dtype=np.int32).reshape(3, 12)
+    batch = sequences_batch(PROMPTS, table, 4)
+    batch.lora_slots = np.repeat(np.array([2, -1, 0], np.int32), [len(p) for p in PROMPTS])
+    batch = jax.tree.map(jnp.asarray, batch)
+    logits = []
+    for kernels in (True, False):
+        monkeypatch.setattr(lora, "packed", lambda: kernels)
+        slots = lora.empty_slots(sites, 3, 16, cfg.dtype)
+        for slot, name in ((0, "sql"), (2, "chat")):
+            weights = load_adapter(tmp_path / name, available, 16).weights
+            slots = lora.write_slot.__wrapped__(slots, slot, lora.slot_arrays(
+                sites, weights, 16, cfg.dtype))
+        out, _ = forward(params, KVCache.zeros(cfg, 1 + table.size, 4), batch, cfg,
+                         lora_slots=slots)
+        logits.append(np.asarray(out))
+    assert np.abs(logits[0] - logits[1]).max() < 1e-4
+    assert np.abs(logits[0]).max() > 0.1

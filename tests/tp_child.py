@@ -57,6 +57,7 @@ def run_case(case: dict) -> dict:
             "kv_heads_per_device": engine.placement.model_cfg.num_kv_heads,
             "experts_per_device": engine.placement.model_cfg.local_experts,
             "device_weight_bytes": engine.device_weight_bytes(),
+            "lora_bytes": engine.runner.lora.num_bytes if engine.runner.lora else 0,
             "weight_bytes": engine.weight_bytes,
             "seconds": round(time.perf_counter() - started, 1),
         }

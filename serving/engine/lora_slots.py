@@ -65,11 +65,11 @@ class DeviceLoRA:
         for sites, layer in zip(self.sites, one):
             out = {}
             for site in sites:
-                ab = layer[site.module][site.name]
-                blocks = [sharding.shard_lora_site(site, ab["a"], ab["b"], self.cfg, n, k)
+                arrays = layer[site.module][site.name]
+                blocks = [sharding.shard_lora_site(site, arrays, self.cfg, n, k)
                           for k in range(n)]
                 out.setdefault(site.module, {})[site.name] = {
-                    key: np.stack([b[i] for b in blocks]) for i, key in enumerate("ab")}
+                    key: np.stack([b[key] for b in blocks]) for key in arrays}
             layers.append(out)
         return jax.device_put(tuple(layers), NamedSharding(mesh, P(sharding.AXIS)))
 
