@@ -1,6 +1,7 @@
 """LoRA through `xlaserve serve` and the openai client: `model` picks the adapter, /v1/models
 lists them, adapters load and unload at run time, and a reload under the same name answers
 with the new weights (no stale prefix-cache pages)."""
+import json
 import os
 import shutil
 import signal
@@ -85,6 +86,22 @@ def test_model_field_picks_the_adapter(server):
         streamed_text(client, "chat")
 
 
+def test_every_generation_route_serves_the_adapter_and_names_it(server):
+    port, folder, refs, client = server
+    done = client.completions.create(model="poet", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert (done.model, done.choices[0].text) == ("poet", decoded(folder, refs["poet"]))
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = {m: client.chat.completions.create(model=m, messages=messages, max_tokens=8,
+                                              temperature=0) for m in ("tiny", "sql")}
+    assert chat["sql"].model == "sql"
+    assert chat["sql"].choices[0].message.content != chat["tiny"].choices[0].message.content
+    resp = {m: client.responses.create(model=m, input="Name a colour.", max_output_tokens=8,
+                                       temperature=0) for m in ("tiny", "sql")}
+    assert resp["sql"].model == "sql" and resp["sql"].output_text != resp["tiny"].output_text
+    assert resp["sql"].output_text == chat["sql"].choices[0].message.content
+
+
 def test_models_lists_adapters_with_root_and_parent(server):
     port, folder, refs, client = server
     status, body = get_json(port, "/v1/models")
@@ -95,6 +112,7 @@ def test_models_lists_adapters_with_root_and_parent(server):
     assert get_json(port, "/v1/models/poet")[1]["root"] == str(folder / "poet")
     spec = get_json(port, "/openapi.json")[1]
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(spec["paths"])
+    assert '"poet"' in json.dumps(spec["paths"]["/v1/chat/completions"])  # a valid `model`
 
 
 def test_load_unload_and_reload_under_the_same_name(server):

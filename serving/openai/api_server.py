@@ -21,7 +21,7 @@ from serving.openai import sse
 from serving.openai import responses_route
 from serving.openai import lora_routes
 from serving.openai.prompts import (chat_ids, chat_prompt, check_model, encode,
-                                    forced_tool_call, prompt_choices)
+                                    forced_tool_call, prompt_choices, served_name)
 from serving.openai import embeddings
 from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
@@ -122,11 +122,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else ""
         choices += prompt_choices(ids, i, params, i * req.params.n, echo, lora,
                                   echo_only=req.echo_only,
-                            echo_logprobs=req.echo and req.params.logprobs is not None,
-                            prompt_logprobs=req.prompt_logprobs)
+                                  echo_logprobs=req.echo and req.params.logprobs is not None,
+                                  prompt_logprobs=req.prompt_logprobs)
     wants_texts = req.params.logprobs is not None or req.prompt_logprobs is not None
     texts = state.token_texts() if wants_texts else None
-    fmt = sse.CompletionFormat(responses.new_id("cmpl"), state.model, texts, req.include_usage,
+    fmt = sse.CompletionFormat(responses.new_id("cmpl"), served_name(state, lora), texts,
+                               req.include_usage,
                                logprobs=req.params.logprobs is not None)
     return await _respond(request, state, choices, fmt, req.stream, arrival)
 
@@ -159,7 +160,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     texts = state.token_texts() if req.logprobs or req.prompt_logprobs is not None else None
     reasoning = None if state.reasoning_parser is None else functools.partial(
         reasoning_parser_for, state.reasoning_parser, prompt, template_kwargs)
-    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), state.model, texts, req.include_usage,
+    fmt = sse.ChatFormat(responses.new_id("chatcmpl"), served_name(state, lora), texts,
+                         req.include_usage,
                          tools, state.tool_call_parser, logprobs=req.logprobs,
                          reasoning=reasoning, include_reasoning=include_reasoning)
     choices = prompt_choices(ids, 0, params, 0, lora=lora,

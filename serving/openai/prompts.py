@@ -29,6 +29,11 @@ def check_model(state: ServerState, model: str | None):
     return adapter
 
 
+def served_name(state: ServerState, lora) -> str:
+    """The `model` a response reports: the adapter asked for, else the served model."""
+    return state.model if lora is None else lora.lora_name
+
+
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

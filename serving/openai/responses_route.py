@@ -13,7 +13,8 @@ from serving.openai import responses
 from serving.openai import responses_api
 from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import read_json
-from serving.openai.prompts import chat_prompt, check_model, forced_tool_call, prompt_choices
+from serving.openai.prompts import (chat_prompt, check_model, forced_tool_call, prompt_choices,
+                                    served_name)
 from serving.openai.reasoning_constraint import answer_after_thinking
 from serving.openai.reasoning_parsers import reasoning_parser_for, thinking_expected
 from serving.openai.response_events import ResponseBuilder, new_id
@@ -41,7 +42,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = responses_api.parse_request(body, auto_tools=state.tool_call_parser is not None,
                                       reasoning=state.reasoning_parser is not None,
                                       store_enabled=state.responses_store is not None)
-    check_model(state, req.model)
+    lora = check_model(state, req.model)
     messages, history = responses_api.conversation(req, state.responses_store)
     prompt, ids = response_prompt(state, messages, req)
     max_tokens = p.check_context(len(ids), req.params.max_tokens, engine.max_model_len,
@@ -57,11 +58,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         await sp.compile_constraint(engine, params, body, blame)
     p.check_request_token_ids(ids, params, engine.vocab_size)
     builder = ResponseBuilder(
-        responses_api.head(new_id("resp"), responses.now(), state.model, req), len(ids),
+        responses_api.head(new_id("resp"), responses.now(), served_name(state, lora), req),
+        len(ids),
         reasoning_parser_for(state.reasoning_parser, prompt, req.template_kwargs),
         parser_for(req.tools, state.tool_call_parser))
     on_done = response_stream.Finished(state.responses_store if req.store else None, history)
-    return await response_stream.respond(request, state, prompt_choices(ids, 0, params, 0), builder,
+    return await response_stream.respond(request, state, prompt_choices(ids, 0, params, 0, lora=lora),
+                                         builder,
                                          req.stream, on_done, arrival)
 
 
