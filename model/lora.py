@@ -151,9 +151,16 @@ def delta(x, site: dict):
 
 
 def _grouped(rows, w, sizes):
-    """rows sorted by slot against their slot's weight; rows past the slots' sum: zeros."""
-    if packed():
-        return grouped_matmul_cpu.grouped_matmul("dense", rows, sizes, w)
+    """rows sorted by slot against their slot's weight; rows past the slots' sum: zeros.
+    The kernel only in a program for a CPU (one lowered for a GPU on this host, too, takes
+    `ragged_dot`)."""
+    if not packed():
+        return _ragged(rows, w, sizes)
+    kernel = lambda r, w, n: grouped_matmul_cpu.grouped_matmul("dense", r, n, w)
+    return jax.lax.platform_dependent(rows, w, sizes, cpu=kernel, default=_ragged)
+
+
+def _ragged(rows, w, sizes):
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes,
                               preferred_element_type=jnp.float32).astype(rows.dtype)
 

@@ -164,6 +164,10 @@ def _model(args) -> str | None:
     return args.model_tag or args.model
 
 
+def _served_name(args) -> str:
+    return getattr(args, "served_model_name", None) or (_model(args) or "SmolLM2-135M-Instruct")
+
+
 def _engine_config(args) -> EngineConfig:
     kwargs = dict(model=_model(args), tokenizer=args.tokenizer, dtype=args.dtype,
                   load_format=args.load_format,
@@ -263,6 +267,10 @@ def main(argv=None) -> int:
         modules = [LoRAModule.parse(m) for m in getattr(args, "lora_modules", None) or []]
         if modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        for m in modules:
+            if m.name == _served_name(args):
+                raise ValueError(f"--lora-modules: the adapter name {m.name!r} is the served "
+                                 "model's name")
         engine = LLMEngine(_engine_config(args))
         for m in modules:
             engine.lora.register(m.name, m.path, m.base_model_name)
@@ -291,7 +299,7 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
     async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
     if engine.cluster is not None:  # a follower gone: fail what is in flight, then exit 1
         engine.cluster.on_lost.append(async_engine.fail_everything)
-    name = args.served_model_name or (_model(args) or "SmolLM2-135M-Instruct")
+    name = _served_name(args)
     chat_template, tool_call_parser = chat
     server = asyncio.create_task(run_server(
         async_engine, args.host, args.port, served_model_name=name, api_key=args.api_key,

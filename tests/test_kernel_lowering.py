@@ -183,3 +183,32 @@ def test_moe_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
     assert [down in line for line in ragged] == [False, True, False, True], ragged
     assert "xlaserve_" not in text
     assert TRITON_CALL in text  # the attention kernel, as in the dense model's step
+
+
+def test_lora_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
+    """A step with LoRA slots for a GPU: each site's shrink and per-part expands as
+    `chlo.ragged_dot` over the slots, and none of our CPU kernels' FFI calls."""
+    from model import attention, lora
+    from model.batch import Batch
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from model.runtime_params import prepare_params
+    from model.transformer import abstract_params, forward
+    monkeypatch.setattr(attention, "PALLAS_INTERPRET", False)
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=256, hidden_size=256, intermediate_size=512,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    S, rank, T, R, P, page_size = 4, 16, 16, 4, 8, 16
+    params = jax.eval_shape(lambda p: prepare_params(p, pack=False), abstract_params(cfg))
+    sites = [lora.sites(cfg, layer) for layer in params["layers"]]
+    slots = jax.eval_shape(lambda: lora.empty_slots(sites, S, rank, cfg.dtype))
+    i32 = lambda *s: SDS(s, jnp.int32)
+    batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R), lora_slots=i32(T))
+    cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
+    text = lower_for_cuda(lambda p, c, b, s: forward(p, c, b, cfg, "pallas", lora_slots=s),
+                          params, cache, batch, slots).as_text()
+    ragged = [line for line in text.splitlines() if '"chlo.ragged_dot"' in line]
+    # per layer: qkv (1 shrink + 3 expands), o (1 + 1), gate_up (1 + 2), down (1 + 1)
+    assert len(ragged) == 2 * 11, len(ragged)
+    shrink = f"(tensor<{T}x256xbf16>, tensor<{S}x256x{3 * rank}xbf16>, tensor<{S}xi32>)"
+    assert sum(shrink in line for line in ragged) == 2
+    assert "xlaserve_" not in text

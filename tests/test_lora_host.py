@@ -172,3 +172,16 @@ def test_config_and_module_flags():
     for bad in ("sql", "=/p", '{"name": "x"}', '{"name": "x", "path": "/p", "extra": 1}'):
         with pytest.raises(LoRAError):
             LoRAModule.parse(bad)
+
+
+def test_serve_refuses_adapter_flags_it_cannot_honour(folders, capsys):
+    from serving.cli import main
+    base = str(folders / "base")
+    cases = [(["--lora-modules", f"sql={folders / 'sql'}"], "--lora-modules needs --enable-lora"),
+             (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"],
+              "'m' is the served model's name"),
+             (["--enable-lora", "--lora-modules", "sql"], "expected name=path or JSON"),
+             (["--enable-lora", "--max-lora-rank", "12"], "max_lora_rank must be one of")]
+    for flags, message in cases:
+        assert main(["serve", base, "--port", "0", *flags]) == 1
+        assert message in capsys.readouterr().err, flags
