@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -127,6 +128,18 @@ def test_prepared_weights_free_the_stacked_tree(tiny_dir):
     assert all(a.is_deleted() for a in stacked)
     for a, b in zip(jax.tree.leaves(run), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_layers_cut_on_the_host_equal_jax_slices_and_outlive_the_stack():
+    from model.runtime_params import _layer_slices
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8):
+        stacked = (jnp.arange(3 * 4 * 5).reshape(3, 4, 5) % 113).astype(dtype)
+        want = [np.asarray(stacked[j]) for j in range(3)]
+        got = _layer_slices(stacked, 3)
+        stacked.delete()
+        for g, w in zip(got, want):
+            assert isinstance(g, jax.Array) and g.dtype == w.dtype
+            np.testing.assert_array_equal(np.asarray(g), w)
 
 
 def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
