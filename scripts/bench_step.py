@@ -11,9 +11,11 @@ the engine does. Sampling is not included.
     python scripts/bench_step.py --no-attention        # the matmuls and the rest alone
     python scripts/bench_step.py --shapes 64x64x16 --profile   # where a step's time goes
     python scripts/bench_step.py --moe-like 8,2      # dense vs MoE of equal active size
+    python scripts/bench_step.py --moe-like 8,2 --quantize int4:lm_head   # the demo's form
 
---moe-like E,K times random float32 weights twice, prepared as the engine prepares them (CPU
-kernels packed, experts for the grouped kernels): the model's own shape (dense), and the same
+--moe-like E,K times random float32 weights twice (quantized with --quantize's recipe where
+given), prepared as the engine prepares them (CPU kernels packed, experts for the grouped
+kernels): the model's own shape (dense), and the same
 model with every MLP replaced by E experts, each token to K of them, each expert
 intermediate_size // K wide (Mixtral's routing; the attention, embedding and head
 unchanged), so both compute the same active parameters per token. For the demo model and
@@ -46,6 +48,7 @@ from model.config import ModelConfig  # noqa: E402
 from model.kv_cache import KVCache  # noqa: E402
 from model.runtime_params import prepare_params  # noqa: E402
 from model.transformer import forward, init_params  # noqa: E402
+from quant.recipe import quantize_params  # noqa: E402
 from serving.engine.sizing import resolve_model_dir  # noqa: E402
 
 
@@ -185,7 +188,8 @@ def bench_pair(models: dict, shapes, backend: str, args) -> None:
         mlp = (f"{cfg.num_experts} experts of {cfg.moe_intermediate_size}, top-"
                f"{cfg.num_experts_per_tok}" if cfg.num_experts
                else f"MLP {cfg.intermediate_size}")
-        print(f"\n{name}: random {cfg.dtype} weights, {mlp}, attention={backend}")
+        form = f" as {args.quantize}" if args.quantize else ""
+        print(f"\n{name}: random {cfg.dtype} weights{form}, {mlp}, attention={backend}")
         print(HEADER + "\n" + "\n".join(rows[name]))
     a, b = models
     print(f"\n| tokens | rows | pages | {a} best (ms) | {b} best (ms) | {b} / {a} |")
@@ -217,11 +221,9 @@ def main() -> int:
     p.add_argument("--no-attention", action="store_true",
                    help="attention replaced by the identity: what the rest of a step costs")
     p.add_argument("--moe-like", default=None, metavar="E,K",
-                   help="random float32 weights of the model's shape, dense and as E experts "
-                        "top-K of equal active size (see above)")
+                   help="random float32 weights of the model's shape (or --quantize's form), "
+                        "dense and as E experts top-K of equal active size (see above)")
     args = p.parse_args()
-    if args.moe_like and args.quantize:
-        p.error("--moe-like times float32 random weights; --quantize does not apply")
     if args.no_attention:
         import model.transformer
         model.transformer.paged_attention = lambda q, *args, **kwargs: q
@@ -240,9 +242,17 @@ def main() -> int:
     experts, top_k = (int(v) for v in args.moe_like.split(","))
     dense = ModelConfig.from_dir(model_dir, args.dtype or "float32")
     configs = {"dense": dense, f"moe {experts}x{top_k}": moe_like(dense, experts, top_k)}
-    print(f"{model_dir.name}'s shape, dense and as a mixture of experts of equal active size")
-    bench_pair({name: (cfg, prepare_params(init_params(cfg), pack=pack))
-                for name, cfg in configs.items()}, shapes, backend, args)
+    print(f"{model_dir.name}'s shape, dense and as a mixture of experts of equal active size,"
+          f" quantize={args.quantize}")
+
+    def weights(cfg):
+        params = init_params(cfg)
+        if args.quantize:
+            params = quantize_params(params, args.quantize)
+        return prepare_params(params, pack=pack)
+
+    bench_pair({name: (cfg, weights(cfg)) for name, cfg in configs.items()}, shapes,
+               backend, args)
     return 0
 
 
