@@ -8,6 +8,9 @@ requests have not started or have already finished, are not): the step budget is
 enough that all prompts are in before the first request ends. Reports tokens/s, step time and
 the memory-read bound of such a step: (weight bytes it streams + the KV cache it reads at the
 batch's mean context) / (measured copy bandwidth); pct_of_bound = bound / measured step time.
+Under each row, the host's share of those steps (scripts/bench_host_overhead.py's phases):
+each phase's median ms, the step's program alone ("device") and "host on the path" (step -
+device: what the device waits for between steps).
 
 --default-sizing leaves the KV cache to the engine's memory plan (--gpu-memory-utilization)
 instead of sizing it for the batch, and reports the device's peak memory after warm-up.
@@ -31,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from scripts.bench_host_overhead import PHASES, PhaseClock  # noqa: E402
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
@@ -116,19 +121,21 @@ def engine_config(args, model_dir: Path):
         progress=False, **extra)
 
 
-def run_batch(engine, batch: int, args, rng) -> dict:
-    """Runs one batch; times the steps in which all `batch` requests decode a token."""
+def run_batch(engine, batch: int, args, rng, clock) -> dict:
+    """Runs one batch; times the steps in which all `batch` requests decode a token. clock: a
+    PhaseClock on the engine, which keeps those steps' phases."""
     from serving.core.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     vocab = engine.cfg.vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, rng.integers(3, vocab, args.prompt_len).tolist(), params)
+    clock.reset(batch)
     started = time.perf_counter()
     seconds, emitted = [], []  # per engine.step(): its time, and the decode tokens it emitted
     while engine.has_unfinished:
         t0 = time.perf_counter()
-        outputs = engine.step()
+        outputs = clock.step()
         seconds.append(time.perf_counter() - t0)
         emitted.append(sum(1 for o in outputs if len(o.new_token_ids) == 1))
     total = time.perf_counter() - started
@@ -223,12 +230,13 @@ def main() -> int:
             return 1 if failures else 0
         emit("batch | full_steps | step_ms | tok_per_s | bound_ms | pct_of_bound | other_s")
         rng = np.random.default_rng(0)
+        clock = PhaseClock(engine, 0)
         for batch in args.batch_sizes:
             if time.perf_counter() - began > args.max_seconds:
                 emit(f"# stopped before batch {batch}: --max-seconds reached")
                 break
             try:
-                r = run_batch(engine, batch, args, rng)
+                r = run_batch(engine, batch, args, rng, clock)
             except Exception as e:  # report, keep going with the other batch sizes
                 failures += 1
                 emit(f"# batch {batch}: FAILED {type(e).__name__}: {str(e)[:300]}")
@@ -243,6 +251,12 @@ def main() -> int:
             pct = 100 * step_bound_ms / r["step_ms"]
             emit(f"{batch} | {r['decode_steps']} | {r['step_ms']:.2f} | {r['tok_per_s']:.1f} | "
                  f"{step_bound_ms:.2f} | {pct:.1f} | {r['other_s']:.2f}")
+            if clock.steps:
+                h = clock.summary(repeats=5)
+                emit(f"#   batch {batch} host per step (ms): " + ", ".join(
+                    f"{k} {1e3 * h[k]:.2f}" for k in PHASES) + f"; step {1e3 * h['step']:.2f}, "
+                    f"device alone {1e3 * h['device']:.2f}, host on the path "
+                    f"{1e3 * h['host on the path']:.2f}")
     return 1 if failures else 0
 
 

@@ -57,6 +57,21 @@ class PhaseClock:
         self._timed(engine.runner, "fetch", "fetch wait")
         self._timed(engine.scheduler, "update", "update")
 
+    def reset(self, num_requests: int) -> None:
+        """Counts from here the steps where `num_requests` requests all decode."""
+        self.n, self.steps, self.last_arrays = num_requests, [], None
+
+    def summary(self, repeats: int) -> dict:
+        """Median seconds per counted step: each phase, the step, the device alone (the last
+        counted step's program run `repeats` times) and the host on the path."""
+        steps = self.steps[2:] or self.steps  # the first decode steps settle caches
+        row = {phase: statistics.median(s.get(phase, 0.0) for s in steps) for phase in PHASES}
+        row["step"] = statistics.median(s["step"] for s in steps)
+        row["device"] = device_alone(self.engine.runner, self.last_arrays, repeats)
+        row["host on the path"] = max(row["step"] - row["device"], 0.0)
+        row["steps"] = len(steps)
+        return row
+
     def _timed(self, owner, name: str, phase: str, after=None) -> None:
         real = getattr(owner, name)
 
@@ -116,13 +131,7 @@ def run(model: Path, tokenizer: str | None, num_requests: int, args) -> dict:
         engine.add_request(f"r{i}", rng.integers(3, vocab, args.prompt_len).tolist(), params)
     while engine.has_unfinished:
         clock.step()
-    steps = clock.steps[2:] or clock.steps  # the first decode steps settle caches
-    row = {phase: statistics.median(s.get(phase, 0.0) for s in steps) for phase in PHASES}
-    row["step"] = statistics.median(s["step"] for s in steps)
-    row["device"] = device_alone(engine.runner, clock.last_arrays, args.repeats)
-    row["host on the path"] = max(row["step"] - row["device"], 0.0)
-    row["steps"] = len(steps)
-    return row
+    return clock.summary(args.repeats)
 
 
 def main(argv=None) -> None:

@@ -9,7 +9,9 @@
 #                            goal cases), then a tile sweep (--tune) in what is left
 #   engine-8b-cold    100 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
 #                            (the plan, peak memory), cold warm-up, decode tok/s at batch
-#                            1/64/256 over steps where the whole batch decodes
+#                            1/64/256 over steps where the whole batch decodes, and per
+#                            batch the host's phases, the device alone and the host time
+#                            on the path (what the device waits for between steps)
 #   engine-8b-warm     35 s  the same engine restarted: warm-up from the compilation cache
 #   quant-hlo          20 s  the GEMM XLA chose for int8 / fp8 weights (8B MLP shape)
 #   serve-8b           65 s  `python -m serving serve` on that model: /health, one streamed
