@@ -13,6 +13,15 @@ results), update (Scheduler.update: tokens appended, stops, pages). "step" is th
 of one LLMEngine.step(); "device" the same step's program dispatched and fetched back to back
 with no host work between (median of repeats); "host on the path" = step - device, what the
 device waits for. Only steps where every request decodes one token are counted.
+
+    python scripts/bench_host_overhead.py --server              # also through the HTTP server
+
+--server adds the same requests through `xlaserve serve` (the same tiny model, dummy weights)
+and as many streaming clients (scripts/bench_serving.py, /v1/completions), all sent at once:
+the median time per output token of a stream (TPOT) against the offline step. The difference
+is what the server adds to a step: the event loop, SSE framing, the clients sharing this
+machine's cores. (The median gap between chunks, ITL, is shown too; with many streams a
+client reads several chunks at once and it drops towards zero.)
 """
 from __future__ import annotations
 
@@ -134,6 +143,36 @@ def run(model: Path, tokenizer: str | None, num_requests: int, args) -> dict:
     return clock.summary(args.repeats)
 
 
+def run_server(model: Path, tokenizer: str, num_requests: int, args, log_dir: Path) -> dict:
+    """The median ITL and TPOT (seconds) of `num_requests` streams through the server."""
+    import asyncio
+    import subprocess
+
+    import numpy as np
+
+    from scripts.bench_serving import SampleRequest, run_benchmark
+    from scripts.bench_side_by_side import Server, free_port
+    port = free_port()
+    cmd = [sys.executable, "-m", "serving", "serve", str(model), "--load-format", "dummy",
+           "--tokenizer", tokenizer, "--served-model-name", "tiny", "--port", str(port),
+           "--max-num-seqs", str(num_requests),
+           "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
+           "--compilation-cache-dir", args.compilation_cache_dir or ""]
+    with Server(f"{model.name}-{num_requests}", cmd, port, log_dir) as server:
+        server.wait_healthy(900)
+        rng = np.random.default_rng(0)  # prompts as token ids: the model's vocabulary is
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # not the text's
+        requests = [SampleRequest(rng.integers(3, vocab, args.prompt_len).tolist(),
+                                  args.prompt_len, args.max_tokens) for _ in range(num_requests)]
+        result = asyncio.run(run_benchmark(server.base_url, "/v1/completions", "tiny",
+                                           requests, max_concurrency=num_requests,
+                                           temperature=args.temperature, quiet=True))
+    if result["failed"]:
+        raise subprocess.SubprocessError(f"{result['failed']} requests failed: "
+                                         f"{result['errors'][:2]}")
+    return {"itl": result["median_itl_ms"] / 1e3, "tpot": result["median_tpot_ms"] / 1e3}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vocab", default="512,49152", help="vocabulary sizes, comma separated")
@@ -146,6 +185,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the demo model's, 49152 tokens)")
     p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--server", action="store_true",
+                   help="also through `xlaserve serve` with streaming clients (see above)")
     args = p.parse_args(argv)
     tokenizer = args.tokenizer
     if tokenizer is None:
@@ -160,6 +201,9 @@ def main(argv=None) -> None:
                 rows[vocab][n] = run(model, tokenizer, n, args)
                 print(f"vocab {vocab}, {n} requests: step {1e3 * rows[vocab][n]['step']:.2f} ms",
                       file=sys.stderr, flush=True)
+                if args.server:
+                    served = run_server(model, tokenizer, n, args, Path(tmp))
+                    rows[vocab][n] |= {f"server {k}": v for k, v in served.items()}
     cols = ("step", "device", "host on the path") + PHASES
     print(f"temperature {args.temperature}, logprobs {args.logprobs}, prompts of "
           f"{args.prompt_len} tokens, {args.max_tokens} decoded; median ms per decode step")
@@ -168,6 +212,16 @@ def main(argv=None) -> None:
     for vocab, by_n in rows.items():
         for n, row in by_n.items():
             print(f"| {vocab} | {n} | " + " | ".join(f"{1e3 * row[c]:.2f}" for c in cols) + " |")
+    if args.server:
+        print("\nThrough the server: median ms between a stream's tokens (ITL) and per output "
+              "token (TPOT), against the offline step")
+        print("| vocab | requests | offline step | server TPOT | server ITL | TPOT - step |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for vocab, by_n in rows.items():
+            for n, row in by_n.items():
+                print(f"| {vocab} | {n} | {1e3 * row['step']:.2f} | "
+                      f"{1e3 * row['server tpot']:.2f} | {1e3 * row['server itl']:.2f} | "
+                      f"{1e3 * (row['server tpot'] - row['step']):.2f} |")
 
 
 if __name__ == "__main__":
