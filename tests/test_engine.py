@@ -478,3 +478,36 @@ def test_async_engine_streams_match_offline_and_early_close_aborts(tiny):
     assert after[-1].finished and sum(len(o.new_token_ids) for o in after) == 3
     assert engine.scheduler.get_request("early") is None
     assert engine.scheduler.allocator.num_used_pages == 0 and not engine.has_unfinished
+
+
+def test_async_engine_wakes_the_loop_once_a_step(tiny):
+    """Eight streams decoding together: a step's outputs reach the event loop in one
+    call_soon_threadsafe, not one per request, and every stream still gets its tokens."""
+    rng = random.Random(6)
+    prompts = random_prompts(rng, [5, 7, 3, 9, 4, 6, 8, 2])
+    offline = tiny.generate(prompts, greedy(12))
+    async_engine = AsyncEngine(tiny.engine)
+    async_engine.start(warmup=False)
+    steps, wakeups = [], []
+    real_step = tiny.engine.step
+    tiny.engine.step = lambda: (steps.append(1), real_step())[1]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real_call = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a, **k: (wakeups.append(1), real_call(*a, **k))[1]
+        streams = [async_engine.generate(p, greedy(12), f"w{i}") for i, p in enumerate(prompts)]
+
+        async def collect(stream):
+            return [o async for o in stream]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        tiny.engine.step = real_step
+        async_engine.shutdown()
+    for outs, want in zip(results, offline):
+        assert sum((o.new_token_ids for o in outs), []) == want.token_ids
+    assert sum(len(outs) for outs in results) > 4 * len(steps)  # steps carry several outputs
+    assert len(wakeups) <= len(steps)

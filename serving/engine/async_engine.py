@@ -226,6 +226,18 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (request_id, item))
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs handed to each event loop in one call: one wake-up of the loop a
+        step, not one per request (each is a write to the loop's pipe and a turn of the GIL
+        between this thread and the loop's)."""
+        by_loop: dict = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _loop(self) -> None:
         try:
             self._run()
@@ -282,10 +294,14 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - an abort of a gone request, ...
                     log.error("engine command %s failed: %s", fn.__name__, e)
             if self.engine.has_unfinished:
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_step(self.engine.step())
                 if self._stats_log:
                     self._stats_log.maybe_log(self.stats())
+
+
+def _put_all(items: list) -> None:
+    for queue, out in items:
+        queue.put_nowait((out.request_id, out))
 
 
 def _adapter_counts(scheduler) -> tuple[dict[str, int], dict[str, int]]:
