@@ -143,10 +143,10 @@ def run(model: Path, tokenizer: str | None, num_requests: int, args) -> dict:
     return clock.summary(args.repeats)
 
 
-def run_server(model: Path, tokenizer: str, num_requests: int, args, log_dir: Path) -> dict:
+def run_server(model: Path, vocab: int, tokenizer: str, num_requests: int, args,
+               log_dir: Path) -> dict:
     """The median ITL and TPOT (seconds) of `num_requests` streams through the server."""
     import asyncio
-    import subprocess
 
     import numpy as np
 
@@ -160,16 +160,14 @@ def run_server(model: Path, tokenizer: str, num_requests: int, args, log_dir: Pa
            "--compilation-cache-dir", args.compilation_cache_dir or ""]
     with Server(f"{model.name}-{num_requests}", cmd, port, log_dir) as server:
         server.wait_healthy(900)
-        rng = np.random.default_rng(0)  # prompts as token ids: the model's vocabulary is
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # not the text's
+        rng = np.random.default_rng(0)  # prompts as token ids, in the model's vocabulary
         requests = [SampleRequest(rng.integers(3, vocab, args.prompt_len).tolist(),
                                   args.prompt_len, args.max_tokens) for _ in range(num_requests)]
         result = asyncio.run(run_benchmark(server.base_url, "/v1/completions", "tiny",
                                            requests, max_concurrency=num_requests,
                                            temperature=args.temperature, quiet=True))
     if result["failed"]:
-        raise subprocess.SubprocessError(f"{result['failed']} requests failed: "
-                                         f"{result['errors'][:2]}")
+        raise RuntimeError(f"{result['failed']} requests failed: {result['errors'][:2]}")
     return {"itl": result["median_itl_ms"] / 1e3, "tpot": result["median_tpot_ms"] / 1e3}
 
 
@@ -202,7 +200,7 @@ def main(argv=None) -> None:
                 print(f"vocab {vocab}, {n} requests: step {1e3 * rows[vocab][n]['step']:.2f} ms",
                       file=sys.stderr, flush=True)
                 if args.server:
-                    served = run_server(model, tokenizer, n, args, Path(tmp))
+                    served = run_server(model, vocab, tokenizer, n, args, Path(tmp))
                     rows[vocab][n] |= {f"server {k}": v for k, v in served.items()}
     cols = ("step", "device", "host on the path") + PHASES
     print(f"temperature {args.temperature}, logprobs {args.logprobs}, prompts of "

@@ -222,21 +222,19 @@ class AsyncEngine:
                 self._num_unadded -= 1
 
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (request_id, item))
+        self._deliver_all([(request_id, item)])
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs handed to each event loop in one call: one wake-up of the loop a
-        step, not one per request (each is a write to the loop's pipe and a turn of the GIL
-        between this thread and the loop's)."""
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """(request_id, output or exception) items handed to each event loop in one call: a
+        step's outputs wake the loop once, not once per request (each wake-up is a write to
+        the loop's pipe and a turn of the GIL between this thread and the loop's)."""
         by_loop: dict = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, (request_id, item)))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _loop(self) -> None:
         try:
@@ -259,10 +257,10 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the streams below still get their error
             log.exception("failing the in-flight requests after an engine error failed")
             failed = []
-        for out in failed:
-            self._deliver(out.request_id, out)
-        for request_id in streams:  # those the engine had not added yet
-            self._deliver(request_id, EngineDeadError(f"the engine is dead: {reason}"))
+        # the engine's failed outputs, then every stream (those it had not added yet too)
+        self._deliver_all([(out.request_id, out) for out in failed]
+                          + [(request_id, EngineDeadError(f"the engine is dead: {reason}"))
+                             for request_id in streams])
         for callback in self.on_dead:
             callback()
 
@@ -294,14 +292,14 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - an abort of a gone request, ...
                     log.error("engine command %s failed: %s", fn.__name__, e)
             if self.engine.has_unfinished:
-                self._deliver_step(self.engine.step())
+                self._deliver_all([(out.request_id, out) for out in self.engine.step()])
                 if self._stats_log:
                     self._stats_log.maybe_log(self.stats())
 
 
-def _put_all(items: list) -> None:
-    for queue, out in items:
-        queue.put_nowait((out.request_id, out))
+def _put_all(puts: list) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
 
 
 def _adapter_counts(scheduler) -> tuple[dict[str, int], dict[str, int]]:
