@@ -53,22 +53,26 @@ def pallas_interpret() -> bool:
 
 
 def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
-                    backend: str = "reference"):
+                    backend: str = "reference", *, sinks=None, soft_cap: float = 0.0):
     """q: [T, H, D] -> [T, H, D], attending over `cache` (already holding this step's K/V).
 
     A cache with `k_scale` / `v_scale` (float32[L, P, page_size, K]) holds quantized K/V.
+    Every backend takes the layer's variants: `sinks` (float32[H] logits in the softmax's
+    denominator, gpt-oss) and `soft_cap` (static; scores capped as cap * tanh(s / cap),
+    Gemma 2); see pallas_kernels/ragged_paged_attention.py.
     """
     args = (q, cache.k, cache.v, layer, batch.positions, batch.req_indices, batch.page_table,
             sliding_window, scale, getattr(cache, "k_scale", None),
             getattr(cache, "v_scale", None))
+    variants = dict(sinks=sinks, soft_cap=float(soft_cap))
     if backend == "reference":
-        return ragged_paged_attention_reference(*args)
+        return ragged_paged_attention_reference(*args, **variants)
     if backend == "blocked":
-        return ragged_paged_attention_blocked(*args)
+        return ragged_paged_attention_blocked(*args, **variants)
     if backend == "cpu":
-        return ragged_paged_attention_cpu(*args)
+        return ragged_paged_attention_cpu(*args, **variants)
     if backend == "pallas":
-        return ragged_paged_attention(*args, interpret=pallas_interpret())
+        return ragged_paged_attention(*args, **variants, interpret=pallas_interpret())
     if backend == "pallas_pages":
-        return ragged_paged_attention_pages(*args, interpret=pallas_interpret())
+        return ragged_paged_attention_pages(*args, **variants, interpret=pallas_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

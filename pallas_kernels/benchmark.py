@@ -69,6 +69,11 @@ class Shape:
     page_size: int = 16
     dtype: str = "bfloat16"
     kv_dtype: str | None = None  # "int8" / "float8_e4m3fn": quantized K/V with scales
+    # The attention variants (pallas_kernels/ragged_paged_attention.py): a sliding window of
+    # this many keys (0: none), one sink logit per query head, a soft cap (0: none).
+    window: int = 0
+    sinks: bool = False
+    soft_cap: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -109,22 +114,27 @@ def make_case(s: Shape, seed: int = 0) -> Case:
 
 
 def bytes_moved(s: Shape) -> int:
-    """Bytes attention must move at least: the K/V (and scales) in use, queries, outputs."""
+    """Bytes attention must move at least: the K/V (and scales) in use, queries, outputs. With
+    a window, the keys its queries can see."""
     kv_item = jnp.dtype(s.kv_dtype or s.dtype).itemsize
     per_key = 2 * s.kv_heads * (s.head_dim * kv_item + (4 if s.kv_dtype else 0))
     qo = 2 * s.num_tokens * s.heads * s.head_dim * jnp.dtype(s.dtype).itemsize
-    return s.batch * s.ctx * per_key + qo
+    keys = min(s.ctx, s.window + s.q_len - 1) if s.window else s.ctx
+    return s.batch * keys * per_key + qo
 
 
-def attention_fn(backend: str, sizes: AttentionBlockSizes | None = None):
+def attention_fn(s: Shape, backend: str, sizes: AttentionBlockSizes | None = None):
     """(q, case arrays...) -> out, for `timed`."""
+    sinks = jnp.linspace(-1.0, 1.0, s.heads, dtype=jnp.float32) if s.sinks else None
+
     def run(q, k, v, pos, req, pt, ks, vs):
-        args = (q, k, v, 0, pos, req, pt, 0, q.shape[-1] ** -0.5, ks, vs)
+        args = (q, k, v, 0, pos, req, pt, s.window, q.shape[-1] ** -0.5, ks, vs)
+        variants = dict(sinks=sinks, soft_cap=s.soft_cap)
         if backend == "reference":
-            return ragged_paged_attention_reference(*args)
+            return ragged_paged_attention_reference(*args, **variants)
         kernel = ragged_paged_attention_pages if backend == "pallas_pages" else \
             ragged_paged_attention
-        return kernel(*args, sizes=sizes, interpret=jax.default_backend() != "gpu")
+        return kernel(*args, **variants, sizes=sizes, interpret=jax.default_backend() != "gpu")
     return run
 
 
@@ -146,7 +156,7 @@ def bench_shape(s: Shape, backends, copy_bw: float, sizes=None, ref_limit=1 << 3
         if backend == "reference" and not reference_fits(s, ref_limit):
             row[f"{backend}_ms"] = None
             continue
-        seconds = timed(attention_fn(backend, sizes), *args)
+        seconds = timed(attention_fn(s, backend, sizes), *args)
         row[f"{backend}_ms"] = seconds * 1e3
         row[f"{backend}_GBps"] = nbytes / seconds / 1e9
         row[f"{backend}_pct_copy"] = 100 * nbytes / seconds / copy_bw

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import cap_scores, softmax_with_sinks
 from pallas_kernels.ragged_paged_attention_kernel import max_query_blocks, query_blocks
 
 BLOCK_Q = 16  # queries per block in the looped form
@@ -24,7 +25,8 @@ BLOCK_Q = 16  # queries per block in the looped form
 
 def ragged_paged_attention_blocked(q, k_cache, v_cache, layer, positions, req_indices,
                                    page_table, sliding_window, scale: float,
-                                   k_scale=None, v_scale=None):
+                                   k_scale=None, v_scale=None, *, sinks=None,
+                                   soft_cap: float = 0.0):
     """q: [T, H, D] -> [T, H, D]; arguments as in `ragged_paged_attention_reference`.
 
     Precondition (the engine's batch layout): tokens sorted by request, each request's tokens
@@ -36,10 +38,11 @@ def ragged_paged_attention_blocked(q, k_cache, v_cache, layer, positions, req_in
     if T <= page_table.shape[0]:
         pages = page_table[req_indices]  # [T, pages per request]
         k, v = _gather(k_cache, v_cache, k_scale, v_scale, layer, pages)
-        out = _attend(qg[:, None], k, v, positions[:, None], sliding_window, scale)[:, 0]
+        out = _attend(qg[:, None], k, v, positions[:, None], sliding_window, scale, sinks,
+                      soft_cap)[:, 0]
     else:
         out = _looped(qg, k_cache, v_cache, k_scale, v_scale, layer, positions, req_indices,
-                      page_table, sliding_window, scale)
+                      page_table, sliding_window, scale, sinks, soft_cap)
     return out.reshape(T, H, D).astype(q.dtype)
 
 
@@ -54,23 +57,23 @@ def _gather(k_cache, v_cache, k_scale, v_scale, layer, pages):
     return k, v
 
 
-def _attend(q, k, v, positions, sliding_window, scale: float):
+def _attend(q, k, v, positions, sliding_window, scale: float, sinks, soft_cap: float):
     """q: f32[N, Q, K, G, D] against k, v: f32[N, S, K, D]; positions: int32[N, Q], -1 for a
     query that is not there. -> f32[N, Q, K, G, D]."""
     hi = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("nqkgd,nskd->nkgqs", q, k, precision=hi) * scale
+    scores = cap_scores(jnp.einsum("nqkgd,nskd->nkgqs", q, k, precision=hi) * scale, soft_cap)
     key_pos = jnp.arange(k.shape[1])
     pos = positions[..., None]  # [N, Q, 1]
     visible = key_pos <= pos
     visible &= key_pos >= jnp.where(sliding_window > 0, pos - sliding_window + 1, 0)
     # A finite floor: a missing query (no visible key) gets harmless uniform weights.
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax_with_sinks(scores, sinks, (1,) + q.shape[2:4] + (1, 1))
     return jnp.einsum("nkgqs,nskd->nqkgd", probs, v, precision=hi)
 
 
 def _looped(q, k_cache, v_cache, k_scale, v_scale, layer, positions, req_indices, page_table,
-            sliding_window, scale: float):
+            sliding_window, scale: float, sinks, soft_cap: float):
     """q: f32[T, K, G, D] -> f32[T, K, G, D], one loop iteration per used query block.
 
     Blocks come in token order, so a block's rows past its own tokens, written with the rest,
@@ -89,7 +92,7 @@ def _looped(q, k_cache, v_cache, k_scale, v_scale, layer, positions, req_indices
         pos = jax.lax.dynamic_slice_in_dim(positions, t0, BLOCK_Q)
         pos = jnp.where(rows < counts[b], pos, -1)
         o = _attend(jax.lax.dynamic_slice_in_dim(q, t0, BLOCK_Q)[None], k, v, pos[None],
-                    sliding_window, scale)
+                    sliding_window, scale, sinks, soft_cap)
         return jax.lax.dynamic_update_slice_in_dim(out, o[0], t0, 0)
 
     out = jax.lax.fori_loop(0, jnp.sum(counts > 0), block, jnp.zeros_like(q))

@@ -43,7 +43,8 @@ def supported(q, k_cache) -> bool:
 
 
 def ragged_paged_attention_cpu(q, k_cache, v_cache, layer, positions, req_indices, page_table,
-                               sliding_window, scale: float, k_scale=None, v_scale=None):
+                               sliding_window, scale: float, k_scale=None, v_scale=None, *,
+                               sinks=None, soft_cap: float = 0.0):
     """q: [T, H, D] -> [T, H, D]; arguments as in `ragged_paged_attention_reference`.
 
     Real tokens match the reference. A token whose position is negative (no visible key) gets
@@ -53,12 +54,14 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, layer, positions, req_indice
     if not supported(q, k_cache):
         return ragged_paged_attention_blocked(q, k_cache, v_cache, layer, positions,
                                               req_indices, page_table, sliding_window, scale,
-                                              k_scale, v_scale)
+                                              k_scale, v_scale, sinks=sinks, soft_cap=soft_cap)
     if k_scale is None:  # an empty operand: the kernel reads no scales
         k_scale = v_scale = jnp.zeros((0,), jnp.float32)
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks
+    f32 = lambda x: jnp.asarray(x, np.float32)
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_cache, v_cache, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
                 i32(layer), i32(positions), i32(req_indices), i32(page_table),
-                i32(sliding_window), jnp.asarray(scale, np.float32))
+                i32(sliding_window), f32(scale), f32(sinks), f32(soft_cap))

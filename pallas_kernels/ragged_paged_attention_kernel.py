@@ -17,6 +17,10 @@ Work decomposition (the grid is static; everything ragged is data):
 K/V may be int8 / float8_e4m3fn with per-(token, head) float32 scales: raw values are cast to the
 query dtype (exact for both formats), K scales multiply the logits and V scales the
 probabilities, so the dequantised tiles are never materialised.
+
+Soft-capping (a static cap) bends each scaled logit before the mask; sinks (float32[H]) join
+the denominator when the rows are normalised: in the kernel with one split, in
+`combine_splits` with several.
 """
 from __future__ import annotations
 
@@ -37,12 +41,14 @@ LOG2E = math.log2(math.e)
 
 def program(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_ref, v_ref,
             *refs, attend, group: int, rows_per_token: int, block_q: int, block_kv: int,
-            head_dim: int, num_splits: int, scale: float, quantized: bool):
+            head_dim: int, num_splits: int, scale: float, quantized: bool, soft_cap: float,
+            has_sinks: bool):
     """Program (query block b, KV head h, KV split s), shared by both kernels: the tile's
     rows, its keys and this split's share of their tiles, the output. `attend(i, carry,
-    **tile)` is the kernel's inner loop over tile i. refs: [k_scale, v_scale,] [aliased
-    poison buffers,] outputs (o) or (o, m, l) partials."""
+    **tile)` is the kernel's inner loop over tile i. refs: [k_scale, v_scale,] [sinks,]
+    [aliased poison buffers,] outputs (o) or (o, m, l) partials."""
     scale_refs = refs[:2] if quantized else None
+    sinks_ref = refs[2 if quantized else 0] if has_sinks else None
     out_refs = refs[-(1 if num_splits == 1 else 3):]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0, n, req = meta_ref[0, b], meta_ref[1, b], meta_ref[2, b]
@@ -81,7 +87,7 @@ def program(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
         attend, q=q, pos=pos, win_lo=jnp.where(window > 0, pos - window + 1, 0),
         kv_lo=kv_lo, kv_hi=kv_hi, req=req, layer=layer, h=h, d=d, d_valid=d_valid,
         page_table_ref=page_table_ref, k_ref=k_ref, v_ref=v_ref, scale_refs=scale_refs,
-        qk_scale=scale * LOG2E)
+        qk_scale=scale * LOG2E, soft_cap=soft_cap * LOG2E)
     rows = row.shape[0]
     init = (jnp.zeros((rows, padded_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -89,6 +95,9 @@ def program(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
 
     if num_splits == 1:
         (o_ref,) = out_refs
+        if sinks_ref is not None:
+            sink = pltriton.load(sinks_ref.at[head[:, 0]], mask=row_valid, other=0.0) * LOG2E
+            acc, l = add_sink(acc, m, l, sink)
         out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
         pltriton.store(o_ref.at[tok, head, d[None, :]], out.astype(o_ref.dtype), mask=q_mask)
     else:
@@ -98,13 +107,25 @@ def program(meta_ref, layer_ref, window_ref, q_ref, pos_ref, page_table_ref, k_r
         pltriton.store(l_ref.at[s, tok[:, 0], head[:, 0]], l, mask=row_valid)
 
 
-def softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale: float):
+def add_sink(acc, m, l, sink):
+    """A row's sink logit (log2 domain) into its unnormalised (acc, running max m, sum l), as
+    one more key whose value is zero -> (acc, l) on the new max's scale."""
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp2(m - m_new)
+    return acc * alpha[..., None], l * alpha + jnp.exp2(sink - m_new)
+
+
+def softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale: float, soft_cap: float):
     """One tile's online-softmax update, shared by both kernels: scores f32[rows, n] of keys
-    at positions j [n] (kv_valid: inside the block's range), masked causally and by the
-    window per row -> (probabilities, new running max, new sum, the old terms' rescale)."""
+    at positions j [n] (kv_valid: inside the block's range), scaled to the log2 domain,
+    soft-capped where soft_cap (log2 units) is not 0, masked causally and by the window per
+    row -> (probabilities, new running max, new sum, the old terms' rescale)."""
     visible = (kv_valid[None, :] & (j[None, :] <= pos[:, None])
                & (j[None, :] >= win_lo[:, None]))
-    scores = jnp.where(visible, scores * qk_scale, MASK_VALUE)
+    scores = scores * qk_scale
+    if soft_cap:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible, scores, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.where(visible, jnp.exp2(scores - m_new[:, None]), 0.0)
@@ -112,7 +133,8 @@ def softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale: float):
 
 
 def _attend_tile(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_valid,
-                 page_table_ref, k_ref, v_ref, scale_refs, block_kv: int, qk_scale: float):
+                 page_table_ref, k_ref, v_ref, scale_refs, block_kv: int, qk_scale: float,
+                 soft_cap: float):
     """Online softmax over keys [i * block_kv, (i + 1) * block_kv), gathered through the page
     table. carry: (acc f32[rows, D], running max m f32[rows] (log2 domain), sum l f32[rows])."""
     acc, m, l = carry
@@ -134,7 +156,8 @@ def _attend_tile(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_
         ks_ref, vs_ref = scale_refs
         scores = scores * pltriton.load(ks_ref.at[layer, page, off, h], mask=kv_valid,
                                         other=0.0)[None, :]
-    p, m_new, l, alpha = softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale)
+    p, m_new, l, alpha = softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale,
+                                      soft_cap)
     if scale_refs is not None:
         p = p * pltriton.load(vs_ref.at[layer, page, off, h], mask=kv_valid, other=0.0)[None, :]
     pv = jax.lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
@@ -167,20 +190,26 @@ def max_query_blocks(num_tokens: int, num_reqs: int, block_q: int) -> int:
     return min(num_tokens, num_tokens // block_q + num_reqs)
 
 
-def combine_splits(o, m, l, dtype):
-    """Merges flash-decoding partials. o: f32[S, T, H, D]; m, l: f32[S, T, H] -> dtype[T, H, D]."""
+def combine_splits(o, m, l, dtype, sinks=None):
+    """Merges flash-decoding partials. o: f32[S, T, H, D]; m, l: f32[S, T, H] -> dtype[T, H, D].
+    sinks: float32[H] or None, joining the merged denominator."""
     m_all = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_all[None])
     l_all = jnp.sum(w * l, axis=0)
-    out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+    o_all = jnp.sum(w[..., None] * o, axis=0)
+    if sinks is not None:
+        o_all, l_all = add_sink(o_all, m_all, l_all, sinks.astype(jnp.float32)[None] * LOG2E)
+    out = o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
     return out.astype(dtype)
 
 
 # jit: one traced program per static configuration, shared by every layer that calls it.
-@functools.partial(jax.jit, static_argnames=("scale", "sizes", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sizes", "interpret",
+                                             "poison"))
 def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_indices,
                                   page_table, sliding_window, scale: float,
                                   k_scale=None, v_scale=None, *, sizes: AttentionBlockSizes,
+                                  sinks=None, soft_cap: float = 0.0,
                                   interpret: bool = False, poison: bool = False):
     """Same contract as `ragged_paged_attention_reference` (q: [T, H, D] -> [T, H, D]).
 
@@ -189,13 +218,13 @@ def ragged_paged_attention_kernel(q, k_cache, v_cache, layer, positions, req_ind
     """
     attend = functools.partial(_attend_tile, block_kv=sizes.block_kv)
     return launch(attend, "ragged_paged_attention", q, k_cache, v_cache, layer, positions,
-                  req_indices, page_table, sliding_window, scale, k_scale, v_scale, sizes=sizes, interpret=interpret,
-                  poison=poison)
+                  req_indices, page_table, sliding_window, scale, k_scale, v_scale, sizes=sizes,
+                  sinks=sinks, soft_cap=soft_cap, interpret=interpret, poison=poison)
 
 
 def launch(attend, name: str, q, k_cache, v_cache, layer, positions, req_indices, page_table,
            sliding_window, scale: float, k_scale, v_scale, *, sizes: AttentionBlockSizes,
-           interpret: bool, poison: bool, tile_name: str = ""):
+           sinks, soft_cap: float, interpret: bool, poison: bool, tile_name: str = ""):
     """One `pallas_call` of `program` with the kernel's inner loop `attend`; shared by both
     kernels. Returns [T, H, D] in q's dtype."""
     T, H, D = q.shape
@@ -226,6 +255,8 @@ def launch(attend, name: str, q, k_cache, v_cache, layer, positions, req_indices
             positions.astype(jnp.int32), page_table.astype(jnp.int32), k_cache, v_cache]
     if quantized:
         args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    if sinks is not None and S == 1:  # with splits, combine_splits adds them
+        args.append(sinks.astype(jnp.float32))
     aliases = {}
     if poison:
         aliases = {len(args) + i: i for i in range(len(out_shape))}
@@ -233,7 +264,7 @@ def launch(attend, name: str, q, k_cache, v_cache, layer, positions, req_indices
     kernel = functools.partial(
         program, attend=attend, group=group, rows_per_token=rows_per_token, block_q=block_q,
         block_kv=sizes.block_kv, head_dim=D, num_splits=S, scale=float(scale),
-        quantized=quantized)
+        quantized=quantized, soft_cap=float(soft_cap), has_sinks=sinks is not None and S == 1)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(num_blocks, K, S), interpret=interpret,
         input_output_aliases=aliases,
@@ -241,7 +272,7 @@ def launch(attend, name: str, q, k_cache, v_cache, layer, positions, req_indices
                                                 num_stages=sizes.num_stages),
         name=f"{name}_q{block_q}_{tile_name or f'kv{sizes.block_kv}'}_s{S}",
     )(*args)
-    return out[0] if S == 1 else combine_splits(*out, q.dtype)
+    return out[0] if S == 1 else combine_splits(*out, q.dtype, sinks)
 
 
 @functools.cache
@@ -267,8 +298,8 @@ def block_sizes_for(q_shape, num_kv_heads: int, page_table_shape, page_size: int
 
 def ragged_paged_attention(q, k_cache, v_cache, layer, positions, req_indices, page_table,
                            sliding_window, scale: float, k_scale=None, v_scale=None, *,
-                           interpret: bool = False, sizes: AttentionBlockSizes | None = None,
-                           poison: bool = False):
+                           sinks=None, soft_cap: float = 0.0, interpret: bool = False,
+                           sizes: AttentionBlockSizes | None = None, poison: bool = False):
     """The kernel with its tiles chosen by pallas_kernels.block_sizes for these shapes.
 
     Same arguments and result as `ragged_paged_attention_reference`. Precondition (the engine's
@@ -278,4 +309,5 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, positions, req_indices, p
                                      k_cache.shape[2])
     return ragged_paged_attention_kernel(
         q, k_cache, v_cache, layer, positions, req_indices, page_table, sliding_window, scale,
-        k_scale, v_scale, sizes=sizes, interpret=interpret, poison=poison)
+        k_scale, v_scale, sizes=sizes, sinks=sinks, soft_cap=soft_cap, interpret=interpret,
+        poison=poison)

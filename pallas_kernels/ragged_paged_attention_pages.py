@@ -29,7 +29,7 @@ from pallas_kernels.ragged_paged_attention_kernel import block_sizes_for, launch
 
 def _attend_pages(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d_valid,
                   page_table_ref, k_ref, v_ref, scale_refs, pages_per_block: int,
-                  qk_scale: float):
+                  qk_scale: float, soft_cap: float):
     """Online softmax over pages [i * pages_per_block, (i + 1) * pages_per_block) of the
     request: keys [i * block_kv, (i + 1) * block_kv). Arguments as in the first kernel's
     `_attend_tile`."""
@@ -61,7 +61,8 @@ def _attend_pages(i, carry, *, q, pos, win_lo, kv_lo, kv_hi, req, layer, h, d, d
         s_mask = jnp.broadcast_to(page_used[:, None], (pages_per_block, page_size))
         k_scale = pltriton.load(ks_ref.at[s_at], mask=s_mask, other=0.0).reshape(block_kv)
         scores = scores * k_scale[None, :]
-    p, m_new, l, alpha = softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale)
+    p, m_new, l, alpha = softmax_step(scores, j, kv_valid, pos, win_lo, m, l, qk_scale,
+                                      soft_cap)
     if scale_refs is not None:
         v_scale = pltriton.load(vs_ref.at[s_at], mask=s_mask, other=0.0).reshape(block_kv)
         p = p * v_scale[None, :]
@@ -82,11 +83,13 @@ def page_block_sizes(q_shape, num_kv_heads: int, page_table_shape, page_size: in
     return replace(base, block_kv=block_kv, num_splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sizes", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sizes", "interpret",
+                                             "poison"))
 def ragged_paged_attention_pages_kernel(q, k_cache, v_cache, layer, positions, req_indices,
                                         page_table, sliding_window, scale: float,
                                         k_scale=None, v_scale=None, *,
-                                        sizes: AttentionBlockSizes, interpret: bool = False,
+                                        sizes: AttentionBlockSizes, sinks=None,
+                                        soft_cap: float = 0.0, interpret: bool = False,
                                         poison: bool = False):
     """Same contract as `ragged_paged_attention_reference`; sizes.block_kv must be a whole
     number of pages. poison as in the first kernel."""
@@ -98,13 +101,14 @@ def ragged_paged_attention_pages_kernel(q, k_cache, v_cache, layer, positions, r
     attend = functools.partial(_attend_pages, pages_per_block=pages_per_block)
     return launch(attend, "ragged_paged_attention_pages", q, k_cache, v_cache, layer,
                   positions, req_indices, page_table, sliding_window, scale, k_scale, v_scale,
-                  sizes=sizes, interpret=interpret, poison=poison,
-                  tile_name=f"np{pages_per_block}")
+                  sizes=sizes, sinks=sinks, soft_cap=soft_cap, interpret=interpret,
+                  poison=poison, tile_name=f"np{pages_per_block}")
 
 
 def ragged_paged_attention_pages(q, k_cache, v_cache, layer, positions, req_indices,
                                  page_table, sliding_window, scale: float, k_scale=None,
-                                 v_scale=None, *, interpret: bool = False,
+                                 v_scale=None, *, sinks=None, soft_cap: float = 0.0,
+                                 interpret: bool = False,
                                  sizes: AttentionBlockSizes | None = None,
                                  poison: bool = False):
     """The page-block kernel with tiles from `page_block_sizes`; same arguments and result as
@@ -113,4 +117,5 @@ def ragged_paged_attention_pages(q, k_cache, v_cache, layer, positions, req_indi
                                       k_cache.shape[2])
     return ragged_paged_attention_pages_kernel(
         q, k_cache, v_cache, layer, positions, req_indices, page_table, sliding_window, scale,
-        k_scale, v_scale, sizes=sizes, interpret=interpret, poison=poison)
+        k_scale, v_scale, sizes=sizes, sinks=sinks, soft_cap=soft_cap, interpret=interpret,
+        poison=poison)

@@ -28,10 +28,20 @@ from pallas_kernels.ragged_paged_attention_kernel import block_sizes_for  # noqa
 
 def gpu_sweep() -> list[Shape]:
     """Decode over (batch, context, GQA, page size, KV format), then prefill. The goal cases
-    (batch >= 32, context >= 2k: >= 80% of copy bandwidth) come first."""
+    (batch >= 32, context >= 2k: >= 80% of copy bandwidth) come first, then the attention
+    variants (bandwidth counts the keys inside the window)."""
     goal = [(32, 2048), (64, 2048), (128, 2048), (32, 8192), (64, 8192)]
     rest = [(b, c) for b in (1, 8, 32) for c in (512, 2048, 8192) if (b, c) not in goal]
-    shapes = [Shape(f"decode-b{b}-c{c}", b, c) for b, c in goal + rest]
+    shapes = [Shape(f"decode-b{b}-c{c}", b, c) for b, c in goal]
+    shapes += [  # Mistral's window at 4x its context; gpt-oss-20b's layers; Gemma 2's cap
+        Shape("decode-b64-c8192-w2048", 64, 8192, window=2048),
+        Shape("decode-b64-c2048-gptoss-w128-sinks", 64, 2048, heads=64, kv_heads=8,
+              head_dim=64, window=128, sinks=True),
+        Shape("decode-b64-c2048-gptoss-sinks", 64, 2048, heads=64, kv_heads=8, head_dim=64,
+              sinks=True),
+        Shape("decode-b64-c2048-gemma2-cap50", 64, 2048, heads=16, kv_heads=8, head_dim=256,
+              soft_cap=50.0)]
+    shapes += [Shape(f"decode-b{b}-c{c}", b, c) for b, c in rest]
     for page in (64, 256):
         shapes.append(Shape(f"decode-b32-c2048-p{page}", 32, 2048, page_size=page))
     shapes.append(Shape("decode-b32-c2048-g1", 32, 2048, heads=8, kv_heads=8))
@@ -48,7 +58,9 @@ def cpu_sweep() -> list[Shape]:
     return [Shape("decode-b4-c256", 4, 256, heads=8, kv_heads=2, head_dim=64),
             Shape("decode-b16-c512", 16, 512, heads=8, kv_heads=2, head_dim=64),
             Shape("prefill-1x64-c128", 1, 128, q_len=64, heads=8, kv_heads=2, head_dim=64,
-                  dtype="float32")]
+                  dtype="float32"),
+            Shape("decode-b4-c256-w64-sinks-cap20", 4, 256, heads=8, kv_heads=2, head_dim=64,
+                  window=64, sinks=True, soft_cap=20.0)]
 
 
 def tune_sweep() -> list[Shape]:

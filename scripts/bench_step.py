@@ -12,6 +12,7 @@ the engine does. Sampling is not included.
     python scripts/bench_step.py --shapes 64x64x16 --profile   # where a step's time goes
     python scripts/bench_step.py --moe-like 8,2      # dense vs MoE of equal active size
     python scripts/bench_step.py --moe-like 8,2 --quantize int4:lm_head   # the demo's form
+    python scripts/bench_step.py --window 512 --contexts 512,1024,2048   # window vs full
 
 --moe-like E,K times random float32 weights twice (quantized with --quantize's recipe where
 given), prepared as the engine prepares them (CPU kernels packed, experts for the grouped
@@ -20,6 +21,11 @@ model with every MLP replaced by E experts, each token to K of them, each expert
 intermediate_size // K wide (Mixtral's routing; the attention, embedding and head
 unchanged), so both compute the same active parameters per token. For the demo model and
 8,2: 8 experts of 768, two active = its MLP of 1536.
+
+--window W times the model's decode steps (--rows requests, one token each) at every context
+of --contexts, twice in turns: with full attention and with a sliding window of W keys on
+every layer (the same weights). A window layer's kernel reads only the keys inside the
+window, so the window model's step stays flat once the context passes W.
 """
 from __future__ import annotations
 
@@ -200,6 +206,28 @@ def bench_pair(models: dict, shapes, backend: str, args) -> None:
               f"{tb / ta:.2f}x |")
 
 
+def bench_window(cfg, params, window: int, contexts: list[int], rows: int, backend: str,
+                 args) -> None:
+    """Decode steps of `rows` requests at each context, full attention against a window of
+    `window` keys on every layer."""
+    configs = {"full": replace(cfg, sliding_windows=(0,) * cfg.num_layers),
+               f"window {window}": replace(cfg, sliding_windows=(window,) * cfg.num_layers)}
+    shapes = [(rows, rows, -(-c // args.page_size)) for c in contexts]
+    steppers = {name: Stepper(c, params, shapes, backend, args) for name, c in configs.items()}
+    print(f"| context | {' (ms) | '.join(configs)} (ms) | full - window (ms) |")
+    print("|---:|---:|---:|---:|")
+    for context, shape in zip(contexts, shapes):
+        args.context = context
+        compiled = {name: s.compile(shape) for name, s in steppers.items()}
+        times = {name: [] for name in configs}
+        for _ in range(args.repeats):
+            for name, s in steppers.items():
+                times[name].append(s.run(*compiled[name][:2]))
+        best = [min(times[name]) * 1e3 for name in configs]
+        print(f"| {context} | {best[0]:.2f} | {best[1]:.2f} | {best[0] - best[1]:.2f} |",
+              flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the demo checkpoint)")
@@ -223,6 +251,11 @@ def main() -> int:
     p.add_argument("--moe-like", default=None, metavar="E,K",
                    help="random float32 weights of the model's shape (or --quantize's form), "
                         "dense and as E experts top-K of equal active size (see above)")
+    p.add_argument("--window", type=int, default=0,
+                   help="decode with full attention against a window of this many keys")
+    p.add_argument("--contexts", default="512,1024,2048",
+                   help="--window: the decode contexts, comma-separated")
+    p.add_argument("--rows", type=int, default=16, help="--window: requests per step")
     args = p.parse_args()
     if args.no_attention:
         import model.transformer
@@ -236,6 +269,12 @@ def main() -> int:
     if not args.moe_like:
         cfg, params = load_model(model_dir, args.dtype, progress=False, quantize=args.quantize)
         params = prepare_params(params, pack=pack)
+        if args.window:
+            print(f"{model_dir.name} {cfg.dtype} quantize={args.quantize} attention={backend}"
+                  f" kv={args.kv_cache_dtype or 'auto'}, {args.rows} decode rows")
+            bench_window(cfg, params, args.window, [int(c) for c in args.contexts.split(",")],
+                         args.rows, backend, args)
+            return 0
         print(f"{model_dir.name} {cfg.dtype} quantize={args.quantize} attention={backend}")
         bench(cfg, params, shapes, backend, args)
         return 0

@@ -4,9 +4,12 @@
 #   part             budget  what
 #   device-info        10 s  GPU, driver, JAX's view of its memory
 #   kernel-tests       55 s  both Pallas kernels (pallas, pallas_pages) natively against the
-#                            reference, and in the engine on random and real (demo) weights
+#                            reference, with windows, sinks and soft-caps too, and in the
+#                            engine on random and real (demo) weights
 #   bench-kernels      40 s  decode attention bandwidth of both kernels vs copy bandwidth (the
-#                            goal cases), then a tile sweep (--tune) in what is left
+#                            goal cases, then a window at 4x its context, gpt-oss's sinks
+#                            with and without its window, Gemma 2's soft-cap), then a tile
+#                            sweep (--tune) in what is left
 #   engine-8b-cold    100 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
 #                            (the plan, peak memory), cold warm-up, decode tok/s at batch
 #                            1/64/256 over steps where the whole batch decodes, and per
@@ -96,8 +99,9 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   SERVE_SHAPE=tiny NATIVE=0  # the kernel tests in the interpreter
   MOE_ARGS=(--smoke)
 else
-  SHAPE=() BATCHES=1,64,256 KERNEL_ARGS=(--cases 8 --no-reference --tune) HLO_ARGS=(--k 4096 --n 14336 --m 1,64)
-  KERNEL_TESTS=(tests/test_kernels.py -k "pallas or page_block or kernel_matches")
+  SHAPE=() BATCHES=1,64,256 KERNEL_ARGS=(--cases 9 --no-reference --tune) HLO_ARGS=(--k 4096 --n 14336 --m 1,64)
+  KERNEL_TESTS=(tests/test_kernels.py tests/test_attention_variants.py
+                -k "pallas or page_block or kernel_matches")
   SERVE_SHAPE=8b NATIVE=1
   MOE_ARGS=()
 fi

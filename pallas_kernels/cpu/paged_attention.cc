@@ -9,6 +9,10 @@
 // dot products, so a 16-bit cache moves half the bytes of a float32 one; values are summed
 // for kRows query rows at a time, so each value vector loaded feeds kRows rows. XLA:CPU
 // instead gathers every token's pages into [T, S, K, D].
+//
+// Two variants of the scores, as the reference defines them: soft-capping (cap * tanh(s /
+// cap) after the scale, before the mask) and sinks (one logit per query head added to the
+// softmax's denominator only, at the end, as a key whose value is zero).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -68,10 +72,19 @@ void Scores(const float* q, int64_t D, const Chunk& c, float* s, Prefetcher& pf)
   }
 }
 
+// cap * tanh(x / cap), as 1 - 2 / (1 + e^(2x / cap)): Exp8 saturates for large |x|, which
+// gives exactly +-cap.
+inline __m256 SoftCap8(__m256 x, float cap) {
+  const __m256 e = xlaserve::Exp8(_mm256_mul_ps(x, _mm256_set1_ps(2.0f / cap)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(one, e)));
+  return _mm256_mul_ps(t, _mm256_set1_ps(cap));
+}
+
 // The online-softmax update of one query row for the chunk: its scores sr (keys outside
-// [jb, je) masked) become probabilities, times the value scales; m and l move to the new
-// running max and sum, and acc is rescaled to match.
-void Softmax(float* sr, const Chunk& c, int64_t jb, int64_t je, float& m, float& l,
+// [jb, je) masked, soft-capped first where cap > 0) become probabilities, times the value
+// scales; m and l move to the new running max and sum, and acc is rescaled to match.
+void Softmax(float* sr, const Chunk& c, int64_t jb, int64_t je, float cap, float& m, float& l,
              float* acc, int64_t D) {
   const int64_t n8 = (c.n + 7) & ~int64_t{7};
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -82,6 +95,7 @@ void Softmax(float* sr, const Chunk& c, int64_t jb, int64_t je, float& m, float&
     const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lanes);
     const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, lo), _mm256_cmpgt_epi32(hi, idx));
     __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sr + j), _mm256_loadu_ps(c.ks + j));
+    if (cap > 0.0f) v = SoftCap8(v, cap);
     v = _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(in));
     _mm256_storeu_ps(sr + j, v);
     mx = _mm256_max_ps(mx, v);
@@ -159,10 +173,11 @@ struct Problem {
   ffi::DataType q_type, kv_type;
   const char *q, *k, *v;
   const float *k_scale, *v_scale;  // null for unquantized caches
+  const float* sinks;  // [H], or null for none
   char* out;
   const int32_t *positions, *req_indices, *page_table;
   int64_t T, H, D, K, G, P, page_size, pages_per_req, B, layer, window;
-  float scale;
+  float scale, soft_cap;  // soft_cap 0: none
 };
 
 // Per-worker buffers: q, acc, m, l for the tile's query rows, ordered (KV head, token, head
@@ -192,7 +207,7 @@ void AttendRows(const Problem& p, const Chunk& c, int64_t base, int64_t r0, cons
       std::fill(s + x * kChunk, s + (x + 1) * kChunk, 0.0f);
       continue;
     }
-    Softmax(s + x * kChunk, c, jb, je, w.m[r], w.l[r], &w.acc[r * D], D);
+    Softmax(s + x * kChunk, c, jb, je, p.soft_cap, w.m[r], w.l[r], &w.acc[r * D], D);
     jb_all = std::min(jb_all, jb), je_all = std::max(je_all, je);
   }
   if (jb_all < je_all) AccumulateV<dt, R>(s, c, jb_all, je_all, D, &w.acc[(base + r0) * D], w.pf);
@@ -285,7 +300,14 @@ void Attend(const Problem& p, int64_t t0, int64_t nq, int64_t k0, int64_t k1, Sc
     }
   }
   for (int64_t r = 0; r < rows_q; ++r) {
-    const float inv = 1.0f / w.l[r];  // a token with no key: l = 0, but it is not written
+    // A token with no key: l = 0, but it is not written. A sink joins the denominator as a
+    // key of zero value: the running max moves to cover it and the sum gains its term.
+    float inv = 1.0f / w.l[r];
+    if (p.sinks) {
+      const float sink = p.sinks[k0 * G + r / (nq * G) * G + r % G];
+      const float m = std::max(w.m[r], sink), corr = std::exp(w.m[r] - m);
+      inv = corr / (w.l[r] * corr + std::exp(sink - m));
+    }
     for (int64_t d = 0; d < D; ++d) w.acc[r * D + d] *= inv;
   }
   for (int64_t i = 0; i < nq; ++i) {
@@ -313,6 +335,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> req_indices, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> soft_cap,
                           ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), pd = page_table.dimensions();
   auto vd = v_cache.dimensions();
@@ -341,6 +364,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   if (scaled && (k_scale.element_type() != ffi::DataType::F32 ||
                  k_scale.element_count() != rows || v_scale.element_count() != rows))
     return ffi::Error::InvalidArgument("paged_attention: scales must be f32[L,P,ps,K]");
+  if (sinks.element_count() != 0 && sinks.element_count() != size_t(p.H))
+    return ffi::Error::InvalidArgument("paged_attention: sinks must be f32[H] or empty");
   p.G = p.H / p.K;
   p.B = pd[0], p.pages_per_req = pd[1];
   p.q = static_cast<const char*>(q.untyped_data());
@@ -355,6 +380,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
   p.window = sliding_window.typed_data()[0];
   p.scale = scale.typed_data()[0];
+  p.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
+  p.soft_cap = soft_cap.typed_data()[0];
   if (p.T == 0) return ffi::Error::Success();
 
   // Waking the pool's threads costs tens of microseconds, more than a few short decode
@@ -404,4 +431,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_table [B, pages]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // soft_cap
                                   .Ret<ffi::AnyBuffer>());        // [T, H, D], q's dtype
