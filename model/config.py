@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from model import layer_types
+
 
 @dataclass(frozen=True)
 class MoeFamily:
@@ -27,6 +29,11 @@ class Family:
     # projections before the head reshape (OLMoE).
     qk_norm: str = ""
     moe: MoeFamily | None = None
+    # Gemma: norms scale by (1 + w) in float32, every block's output is normed too before the
+    # residual add ("sandwich"), and the embeddings are multiplied by sqrt(hidden_size).
+    gemma: bool = False
+    # The family's config class defaults for fields a config.json may leave out.
+    defaults: tuple[tuple[str, object], ...] = ()
 
 
 # Everything not here is read from config.json.
@@ -47,7 +54,18 @@ FAMILIES = {
     "OlmoeForCausalLM": Family(qk_norm="full", moe=MoeFamily(
         "intermediate_size", always_renormalize=False,
         float32_weights=False, shared_expert=False, sparse_layers=False)),
+    "Gemma2ForCausalLM": Family(gemma=True, defaults=(
+        ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
+        ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+        ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+        ("tie_word_embeddings", True), ("max_position_embeddings", 8192))),
+    "Gemma3ForCausalLM": Family(qk_norm="head", gemma=True, defaults=(
+        ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
+        ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+        ("tie_word_embeddings", True), ("max_position_embeddings", 131072))),
 }
+# config.json's activation names -> ours; the MLP's gate goes through it.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 DTYPES = ("float32", "bfloat16", "float16")
 # KV cache storage (model/kv_cache.py): "auto" is the model's dtype; a float dtype stores K/V
 # rounded to it; int8 / fp8 store them quantized with a scale per (token, KV head).
@@ -82,8 +100,18 @@ class ModelConfig:
     qk_norm: bool = False  # per head (Qwen3)
     qk_norm_full: bool = False  # over the whole q and k projections (OLMoE)
     clip_qkv: float = 0.0  # q, k, v clamped to +-clip_qkv after the norms; 0: not clamped
-    # One sliding window per layer, 0 where the layer attends to everything.
+    # One sliding window per layer, 0 where the layer attends to everything
+    # (model/layer_types.py).
     sliding_windows: tuple[int, ...] = ()
+    # RoPE base of the window layers (Gemma 3), unscaled; 0: rope_theta and rope_scaling.
+    local_rope_theta: float = 0.0
+    hidden_act: str = "silu"  # of ACTIVATIONS' values
+    norm_offset: bool = False  # norms scale by (1 + w) (Gemma)
+    sandwich_norms: bool = False  # attention and MLP outputs normed before the residual add
+    scale_embed: bool = False  # embeddings times sqrt(hidden_size), rounded to the dtype
+    query_scale: float = 0.0  # scores' scale; 0: head_dim ** -0.5
+    attn_soft_cap: float = 0.0  # scores capped as cap * tanh(s / cap); 0: not capped
+    final_soft_cap: float = 0.0  # the same for the logits
     dtype: str = "float32"
     # Mixture of experts (num_experts 0: none). A layer of `moe_layers` sends each token to
     # num_experts_per_tok of the experts; the others keep the dense MLP of intermediate_size.
@@ -108,6 +136,13 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling or ())
+
+    @property
+    def attn_scale(self) -> float:
+        return self.query_scale or self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -138,12 +173,20 @@ class ModelConfig:
             raise ConfigError(f"unsupported architecture {arch!r}; supported: "
                               + ", ".join(FAMILIES))
         family = FAMILIES[arch]
+        hf = {**dict(family.defaults), **hf}
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))
         # transformers 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        try:
+            local_theta, rope = layer_types.local_rope(hf, arch)
+            windows = layer_types.sliding_windows(hf, arch, num_layers)
+        except layer_types.LayerTypesError as e:
+            raise ConfigError(str(e)) from None
+        if hf.get("use_bidirectional_attention"):
+            raise ConfigError("unsupported config: use_bidirectional_attention=true (an "
+                              "encoder; we serve causal decoders)")
         cfg = cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -164,7 +207,16 @@ class ModelConfig:
             qk_norm=family.qk_norm == "head",
             qk_norm_full=family.qk_norm == "full",
             clip_qkv=float(hf.get("clip_qkv") or 0.0),
-            sliding_windows=_sliding_windows(hf, arch, num_layers),
+            sliding_windows=windows,
+            local_rope_theta=local_theta,
+            hidden_act=_activation(hf),
+            norm_offset=family.gemma,
+            sandwich_norms=family.gemma,
+            scale_embed=family.gemma,
+            query_scale=(float(hf["query_pre_attn_scalar"]) ** -0.5
+                         if hf.get("query_pre_attn_scalar") else 0.0),
+            attn_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
+            final_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
             **(_moe_fields(hf, family.moe, num_layers) if family.moe else {}),
         )
         return cfg.with_dtype(dtype or _hf_dtype(hf))
@@ -208,20 +260,13 @@ def _rope_scaling(rs: dict):
     return tuple(sorted(items.items()))
 
 
-def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int, ...]:
-    window = hf.get("sliding_window") or 0
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return (int(window),) * num_layers
-    if arch == "Qwen3MoeForCausalLM":  # one window for every layer, as its mask is built
-        return (int(window) if hf.get("use_sliding_window") else 0,) * num_layers
-    if arch.startswith("Qwen") and hf.get("use_sliding_window") and window:
-        # Qwen applies the window only from layer max_window_layers on.
-        types = hf.get("layer_types")
-        if types:
-            return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-        first = hf.get("max_window_layers", num_layers)
-        return tuple(int(window) if i >= first else 0 for i in range(num_layers))
-    return (0,) * num_layers
+def _activation(hf: dict) -> str:
+    field = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+    name = hf.get(field) or "silu"
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"unsupported activation: {field}={name!r} (supported: "
+                          + ", ".join(ACTIVATIONS) + ")")
+    return ACTIVATIONS[name]
 
 
 # config.json fields of mixtures of experts that change what the model computes and that we do

@@ -31,6 +31,10 @@ HF_TABLE = [
     (r"lm_head\.weight", ("lm_head", "kernel"), True),
     (_LAYER + r"input_layernorm\.weight", ("layers", "input_norm", "scale"), False),
     (_LAYER + r"post_attention_layernorm\.weight", ("layers", "post_norm", "scale"), False),
+    # Gemma's sandwich norms around the MLP
+    (_LAYER + r"pre_feedforward_layernorm\.weight", ("layers", "pre_mlp_norm", "scale"), False),
+    (_LAYER + r"post_feedforward_layernorm\.weight", ("layers", "post_mlp_norm", "scale"),
+     False),
     (_LAYER + r"self_attn\.([qkvo])_proj\.weight", ("layers", "attn", "{}_proj", "kernel"), True),
     (_LAYER + r"self_attn\.([qkvo])_proj\.bias", ("layers", "attn", "{}_proj", "bias"), False),
     (_LAYER + r"self_attn\.([qk])_norm\.weight", ("layers", "attn", "{}_norm", "scale"), False),

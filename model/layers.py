@@ -52,14 +52,32 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     eps: float
     param_dtype: str = "float32"
+    # Gemma: the stored weight w scales by (1 + w), in float32 before the cast (a zero
+    # weight is the identity).
+    offset: bool = False
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        init_scale = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = self.param("scale", init_scale, (x.shape[-1],), self.param_dtype)
         # Normalise in float32, then scale in the activation dtype, as transformers does. On
         # CPUs each row is summed in one order whatever the batch (pallas_kernels/rms_norm_cpu).
         x32 = rms_norm_cpu.normalize(x.astype(jnp.float32), self.eps)
+        if self.offset:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
+    """The family's RMSNorm."""
+    return RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.norm_offset, name=name)
+
+
+def activation(name: str):
+    """ModelConfig.hidden_act -> the function the MLP's gate goes through."""
+    if name == "gelu_tanh":
+        return lambda x: nn.gelu(x, approximate=True)
+    return nn.silu
 
 
 def reduce_shards(x, axis: str | None):
@@ -82,14 +100,24 @@ class MLP(nn.Module):
             gate, up = jnp.split(lin(2 * n, "gate_up_proj")(x), 2, axis=-1)
         else:
             gate, up = lin(n, "gate_proj")(x), lin(n, "up_proj")(x)
-        return reduce_shards(lin(cfg.hidden_size, "down_proj")(nn.silu(gate) * up), self.axis)
+        act = activation(cfg.hidden_act)
+        return reduce_shards(lin(cfg.hidden_size, "down_proj")(act(gate) * up), self.axis)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """float32[D/2] inverse frequencies, with Llama 3 / linear scaling applied."""
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap) (Gemma 2's final logits); cap 0: x. In x's dtype, as
+    transformers caps the head's output."""
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
+def rope_inv_freq(cfg: ModelConfig, layer: int = 0) -> np.ndarray:
+    """float32[D/2] inverse frequencies of `layer`, with Llama 3 / linear scaling applied
+    (Gemma 3's window layers have a base of their own and no scaling)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    rs = cfg.rope_scaling_dict
+    local = cfg.local_rope_theta and cfg.window(layer)
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    rs = {} if local else cfg.rope_scaling_dict
     if rs.get("rope_type") == "linear":
         inv = inv / rs["factor"]
     elif rs.get("rope_type") == "llama3":

@@ -1,5 +1,5 @@
-"""The decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 families and their
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in Flax.
+"""The decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3
+families and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in Flax.
 
 `forward(params, cache, batch, cfg)` is a pure function: it returns the logits of the tokens
 named by `batch.logits_indices` and the cache with this step's keys and values written in.
@@ -20,8 +20,8 @@ from model.kv_cache import KVCache, write_kv
 from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
-from model.layers import (MLP, Linear, RMSNorm, apply_rope, embed, matmul, matmul_t,
-                          reduce_shards, rope_inv_freq)
+from model.layers import (MLP, Linear, apply_rope, embed, matmul, matmul_t, norm,
+                          reduce_shards, rope_inv_freq, soft_cap)
 
 
 class Attention(nn.Module):
@@ -41,21 +41,20 @@ class Attention(nn.Module):
             q, k, v = (Linear(n, cfg.qkv_bias, cfg.dtype, name=f"{p}_proj")(x)
                        for n, p in zip(sizes, "qkv"))
         if cfg.qk_norm_full:  # OLMoE: over every head at once, before the reshape
-            q = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="k_norm")(k)
+            q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="k_norm")(k)
+            q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if cfg.clip_qkv:
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
-        inv_freq = rope_inv_freq(cfg)
+        inv_freq = rope_inv_freq(cfg, layer)
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
         cache = write_kv(cache, layer, k, v, batch.slot_mapping)
-        out = paged_attention(q, cache, layer, batch, window, cfg.head_dim ** -0.5, self.backend)
+        out = paged_attention(q, cache, layer, batch, window, cfg.attn_scale, self.backend,
+                              soft_cap=cfg.attn_soft_cap)
         out = Linear(cfg.hidden_size, cfg.o_bias, cfg.dtype, name="o_proj")(
             out.reshape(T, cfg.q_size))
         return reduce_shards(out, self.axis), cache
@@ -69,11 +68,17 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, cache: KVCache, layer: int, window, batch: Batch):
         cfg = self.cfg
-        h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x)
+        h = norm(cfg, "input_norm")(x)
         attn = Attention(cfg, self.backend, self.axis, name="attn")
         h, cache = attn(h, cache, layer, window, batch)
+        if cfg.sandwich_norms:
+            # Gemma: config.json's post_attention_layernorm norms the attention's output, a
+            # pre_feedforward norm feeds the MLP and a post_feedforward norm its output.
+            x = x + norm(cfg, "post_norm")(h)
+            h = MLP(cfg, self.axis, name="mlp")(norm(cfg, "pre_mlp_norm")(x))
+            return x + norm(cfg, "post_mlp_norm")(h), cache
         x = x + h
-        h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_norm")(x)
+        h = norm(cfg, "post_norm")(x)
         if cfg.is_moe(layer):
             return x + MoE(cfg, self.axis, name="moe")(h), cache
         return x + MLP(cfg, self.axis, name="mlp")(h), cache
@@ -106,6 +111,8 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
         x = embed(params["embed"], batch.input_ids, cfg.dtype)
     else:
         x = embed_vocab_parallel(params["embed"], batch.input_ids, cfg.dtype, axis)
+    if cfg.scale_embed:  # Gemma: the scale rounded to the dtype first, as transformers does
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, cfg.dtype)
     layer = DecoderLayer(cfg, backend, axis)
     windows = cfg.sliding_windows or (0,) * cfg.num_layers
     routing = None
@@ -123,14 +130,14 @@ def compute_logits(params, hidden, cfg: ModelConfig, axis: str | None = None):
     """hidden: [N, hidden_size] from forward_hidden -> logits float32[N, V]. axis: the
     tensor-parallel mesh axis: each shard's vocabulary rows, gathered."""
     params = prepare_params(params)
-    x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, hidden)
+    x = norm(cfg).apply({"params": params["final_norm"]}, hidden)
     if "lm_head" not in params:  # tied, and not packed apart by prepare_params
         logits = matmul_t(x, params["embed"])
     else:
         logits = matmul(x, params["lm_head"]["kernel"])
     if axis is not None:
         logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :cfg.vocab_size]
-    return logits.astype(jnp.float32)
+    return soft_cap(logits, cfg.final_soft_cap).astype(jnp.float32)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):
@@ -162,7 +169,8 @@ def _init(cfg: ModelConfig, key):
         "embed": nn.initializers.normal(0.02)(k_embed, (cfg.vocab_size, cfg.hidden_size),
                                               cfg.dtype),
         "layers": layers,
-        "final_norm": {"scale": jnp.ones((cfg.hidden_size,), cfg.dtype)},
+        "final_norm": {"scale": (jnp.zeros if cfg.norm_offset else jnp.ones)(
+            (cfg.hidden_size,), cfg.dtype)},
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = {"kernel": nn.initializers.normal(0.02)(

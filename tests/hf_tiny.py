@@ -3,6 +3,7 @@ from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
 def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -28,12 +29,19 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
         cls = tf.Qwen3ForCausalLM
     elif family in MOE_FAMILIES:
         cfg, cls = _tiny_moe_config(family)
+    elif family in GEMMA_FAMILIES:
+        cfg, cls = _tiny_gemma_config(family)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
+    if family in GEMMA_FAMILIES:
+        with torch.no_grad():  # (1 + w) norms start at w = 0: random w so w is read
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     if getattr(model.config, "attention_bias", False) or family in ("qwen2", "qwen2_moe"):
         with torch.no_grad():  # random biases so a dropped bias shows up
             for name, p in model.named_parameters():
@@ -65,6 +73,29 @@ def _tiny_moe_config(family: str):
                 tf.Qwen3MoeForCausalLM)
     return (tf.OlmoeConfig(**{**common, "intermediate_size": 40}, num_experts=4, clip_qkv=1.5),
             tf.OlmoeForCausalLM)
+
+
+def _tiny_gemma_config(family: str):
+    """Windows of 8 and 6 tokens, so prompts and decodes run well past them; a query scale
+    that is not head_dim's; Gemma 2's soft-caps low enough that they bend real scores;
+    Gemma 3 with its 5:1 local/global layers, a RoPE base of their own for the window layers
+    and linear scaling on the global ones. Eager attention: the soft-cap needs it."""
+    import transformers as tf
+    common = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, query_pre_attn_scalar=24,
+                  initializer_range=0.05, attn_implementation="eager")
+    if family == "gemma2":
+        return (tf.Gemma2Config(**common, num_hidden_layers=4, sliding_window=8,
+                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+                tf.Gemma2ForCausalLM)
+    return (tf.Gemma3TextConfig(**common, num_hidden_layers=7, sliding_window=6,
+                                rope_parameters={
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 10000.0}}),
+            tf.Gemma3ForCausalLM)
 
 
 def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:

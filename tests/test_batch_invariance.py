@@ -33,6 +33,8 @@ MODELS = {  # name -> (family, overrides)
     "mistral": ("mistral", {"sliding_window": 50}),
     # dense and MoE layers mixed, a shared expert; sizes in whole panels and int4 groups
     "moe": ("qwen2_moe", {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}),
+    # window and full layers alternating, scores and logits soft-capped
+    "gemma2": ("gemma2", {"sliding_window": 50}),
 }
 CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "float32": ("llama", "float32", None),
@@ -44,6 +46,7 @@ CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "fp8-channel": ("llama-panels", "float32", "fp8:channel"),
     "int4": ("llama-int4", "float32", "int4:lm_head"),  # the demo's CPU default recipe
     "sliding-window": ("mistral", "bfloat16", None),
+    "gemma2-bfloat16": ("gemma2", "bfloat16", None),
     "moe-float32": ("moe", "float32", None),
     "moe-bfloat16": ("moe", "bfloat16", None),
     "moe-int8": ("moe", "float32", "int8"),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.layers import RMSNorm
+from model.layers import norm
 from model.runtime_params import prepare_params
 from serving.engine.prompt_logprobs import BLOCK_ROWS
 
@@ -29,7 +29,7 @@ def final_norm(params, hidden, *, cfg: ModelConfig):
     norm. On CPUs each row is normalised alone (rms_norm), so a row's value does not depend
     on the others in its block."""
     params = prepare_params(params)
-    x = RMSNorm(cfg.rms_norm_eps, cfg.dtype).apply({"params": params["final_norm"]}, hidden)
+    x = norm(cfg).apply({"params": params["final_norm"]}, hidden)
     return x.astype(jnp.float32)
 
 
