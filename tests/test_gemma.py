@@ -4,20 +4,15 @@ page boundaries, chunked prefill and the default buckets; the config fields each
 and those we refuse."""
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from model.batch import sequences_batch
 from model.checkpoint import load_model
 from model.config import ConfigError, ModelConfig
-from model.kv_cache import KVCache
-from model.transformer import forward
 from serving import LLM, SamplingParams
 from tests.hf_tiny import GEMMA_FAMILIES, greedy_reference, tiny_hf_model
-from tests.test_model_parity import scattered_page_table
+from tests.test_model_parity import paged_logits
 
 PAGE = 4
 RTOL = 1e-4  # of max |transformers logit|, float32
@@ -58,11 +53,7 @@ def test_logits_match_transformers(family):
     name, model, folder = family
     cfg, params = load_model(folder, progress=False)
     prompts = PROMPTS[1:]
-    table = scattered_page_table(len(prompts), 16)
-    cache = KVCache.zeros(cfg, 1 + table.size, PAGE)
-    batch = jax.tree.map(jnp.asarray, sequences_batch(prompts, table, PAGE))
-    logits, _ = jax.jit(forward, static_argnums=3)(params, cache, batch, cfg)
-    logits, off = np.asarray(logits), 0
+    logits, off = paged_logits(params, cfg, prompts, PAGE), 0
     for p in prompts:
         with torch.no_grad():
             want = model(torch.tensor([p])).logits[0].numpy()
@@ -88,12 +79,7 @@ def test_the_window_changes_the_answer(family):
     cfg, params = load_model(folder, progress=False)
     wide = tuple(1000 if w else 0 for w in cfg.sliding_windows)
     full = cfg.__class__(**{**cfg.to_dict(), "sliding_windows": wide})
-    prompt = PROMPTS[3]
-    table = scattered_page_table(1, 16)
-    batch = jax.tree.map(jnp.asarray, sequences_batch([prompt], table, PAGE))
-    run = lambda c: np.asarray(jax.jit(forward, static_argnums=3)(
-        params, KVCache.zeros(c, 1 + table.size, PAGE), batch, c)[0])
-    windowed, unwindowed = run(cfg), run(full)
+    windowed, unwindowed = (paged_logits(params, c, [PROMPTS[3]], PAGE) for c in (cfg, full))
     window = min(w for w in cfg.sliding_windows if w)
     np.testing.assert_array_equal(windowed[:window], unwindowed[:window])
     assert np.abs(windowed[window:] - unwindowed[window:]).max() > 1e-3

@@ -53,6 +53,14 @@ def run(params, cfg, cache, batch):
     return _forward(params, cache, jax.tree.map(jnp.asarray, batch), cfg)
 
 
+def paged_logits(params, cfg, prompts, page_size, pages_per_seq=16):
+    """Every prompt token's logits [sum of lengths, V], the prompts prefilled in one step
+    over scattered pages."""
+    table = scattered_page_table(len(prompts), pages_per_seq)
+    cache = KVCache.zeros(cfg, 1 + table.size, page_size)
+    return np.asarray(run(params, cfg, cache, sequences_batch(prompts, table, page_size))[0])
+
+
 def assert_close(got, want):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < RTOL, err

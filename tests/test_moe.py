@@ -11,16 +11,13 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from model.batch import sequences_batch
 from model.checkpoint import convert_hf, load_model
 from model.config import ConfigError, ModelConfig
 from model.hf_weights import WeightsError
-from model.kv_cache import KVCache
 from model.moe import MoE, dispatch, route
-from model.transformer import forward
 from serving import LLM, SamplingParams
 from tests.hf_tiny import greedy_reference, tiny_hf_model
-from tests.test_model_parity import scattered_page_table
+from tests.test_model_parity import paged_logits
 
 PAGE = 4
 # Measured max |ours - transformers| / max |transformers| is about 1e-6 in float32.
@@ -69,11 +66,7 @@ def test_logits_match_transformers(variant):
     cfg, params = load_model(folder, progress=False)
     assert cfg.num_experts == 4 and any(cfg.moe_layers)
     prompts = PROMPTS[1:]
-    table = scattered_page_table(len(prompts), 16)
-    cache = KVCache.zeros(cfg, 1 + table.size, PAGE)
-    batch = jax.tree.map(jnp.asarray, sequences_batch(prompts, table, PAGE))
-    logits, _ = jax.jit(forward, static_argnums=3)(params, cache, batch, cfg)
-    logits, off = np.asarray(logits), 0
+    logits, off = paged_logits(params, cfg, prompts, PAGE), 0
     for p in prompts:
         want = hf_logits(model, p)
         err = np.abs(logits[off:off + len(p)] - want).max() / np.abs(want).max()
