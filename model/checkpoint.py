@@ -101,7 +101,7 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
         if prequantized is not None:
             return cfg, jax.tree.map(jax.numpy.asarray, prequantized)
         params = load_hf_params(path, cfg, progress)
-        if quantize:
+        if quantize and quantize not in formats.DEQUANTIZED_METHODS:
             params = quantize_params(params, quantize)
         return cfg, jax.tree.map(jax.numpy.asarray, params)
     meta = read_metadata(path)

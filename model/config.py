@@ -20,6 +20,10 @@ class MoeFamily:
     float32_weights: bool
     shared_expert: bool  # Qwen2-MoE: a dense gated expert every token goes through too
     sparse_layers: bool  # decoder_sparse_step and mlp_only_layers pick the MoE layers
+    # gpt-oss: the router and every expert projection carry biases, the k largest logits are
+    # picked first and softmaxed among themselves, and the gate is a clamped SwiGLU.
+    biases: bool = False
+    topk_then_softmax: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Family:
     # Gemma: norms scale by (1 + w) in float32, every block's output is normed too before the
     # residual add ("sandwich"), and the embeddings are multiplied by sqrt(hidden_size).
     gemma: bool = False
+    sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
     # The family's config class defaults for fields a config.json may leave out.
     defaults: tuple[tuple[str, object], ...] = ()
 
@@ -54,6 +59,12 @@ FAMILIES = {
     "OlmoeForCausalLM": Family(qk_norm="full", moe=MoeFamily(
         "intermediate_size", always_renormalize=False,
         float32_weights=False, shared_expert=False, sparse_layers=False)),
+    "GptOssForCausalLM": Family(sinks=True, moe=MoeFamily(
+        "intermediate_size", always_renormalize=False, float32_weights=False,
+        shared_expert=False, sparse_layers=False, biases=True, topk_then_softmax=True),
+        defaults=(("attention_bias", True), ("sliding_window", 128), ("rms_norm_eps", 1e-5),
+                  ("num_experts_per_tok", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
+                  ("rope_theta", 150000.0), ("max_position_embeddings", 131072))),
     "Gemma2ForCausalLM": Family(gemma=True, defaults=(
         ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
         ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
@@ -112,6 +123,7 @@ class ModelConfig:
     query_scale: float = 0.0  # scores' scale; 0: head_dim ** -0.5
     attn_soft_cap: float = 0.0  # scores capped as cap * tanh(s / cap); 0: not capped
     final_soft_cap: float = 0.0  # the same for the logits
+    attn_sinks: bool = False  # a learned sink logit per query head, every layer (gpt-oss)
     dtype: str = "float32"
     # Mixture of experts (num_experts 0: none). A layer of `moe_layers` sends each token to
     # num_experts_per_tok of the experts; the others keep the dense MLP of intermediate_size.
@@ -124,6 +136,10 @@ class ModelConfig:
     # Expert parallel (--enable-expert-parallel): the experts split whole over this many
     # devices, each holding num_experts // expert_shards of them (model/sharding.py).
     expert_shards: int = 1
+    # gpt-oss's expert gate: min(gate, limit) * sigmoid(alpha * that) * (clip(up, +-limit) + 1);
+    # 0: SiLU(gate) * up.
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     @property
     def q_size(self) -> int:
@@ -216,6 +232,7 @@ class ModelConfig:
             query_scale=(float(hf["query_pre_attn_scalar"]) ** -0.5
                          if hf.get("query_pre_attn_scalar") else 0.0),
             attn_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
+            attn_sinks=family.sinks,
             final_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
             **(_moe_fields(hf, family.moe, num_layers) if family.moe else {}),
         )
@@ -250,13 +267,20 @@ def _rope_scaling(rs: dict):
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
-    if kind not in ("llama3", "linear"):
-        raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
+    if kind not in ("llama3", "linear", "yarn"):
+        raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: llama3, "
+                          "linear, yarn")
     items = {"rope_type": kind}
     for key in ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings"):
-        if key in rs:
+                "original_max_position_embeddings", "beta_fast", "beta_slow",
+                "attention_factor", "mscale", "mscale_all_dim"):
+        if rs.get(key) is not None:
             items[key] = float(rs[key])
+    if kind == "yarn":
+        if "factor" not in items or "original_max_position_embeddings" not in items:
+            raise ConfigError("yarn rope_scaling needs factor and "
+                              "original_max_position_embeddings")
+        items["truncate"] = float(bool(rs.get("truncate", True)))
     return tuple(sorted(items.items()))
 
 
@@ -300,7 +324,10 @@ def _moe_fields(hf: dict, family: MoeFamily, num_layers: int) -> dict:
     if family.shared_expert and experts and not shared:
         raise ConfigError("unsupported mixture-of-experts config: "
                           "shared_expert_intermediate_size=0")
-    return dict(num_experts=experts, num_experts_per_tok=k if experts else 0,
+    clamped = family.topk_then_softmax  # gpt-oss's gate
+    return dict(swiglu_limit=float(hf["swiglu_limit"]) if clamped else 0.0,
+                swiglu_alpha=float(hf["swiglu_alpha"]) if clamped else 0.0,
+                num_experts=experts, num_experts_per_tok=k if experts else 0,
                 moe_intermediate_size=int(hf[family.expert_size_field]),
                 shared_expert_intermediate_size=shared,
                 norm_topk_prob=family.always_renormalize or bool(hf.get("norm_topk_prob")),

@@ -55,6 +55,18 @@ HF_TABLE = [
     (_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight",
      (*_MOE, "shared_expert", "{}_proj", "kernel"), True),
     (_LAYER + r"mlp\.shared_expert_gate\.weight", (*_MOE, "shared_expert_gate", "kernel"), True),
+    # gpt-oss: sinks, a router with a bias, every expert's weights in one tensor [E, in, out]
+    (_LAYER + r"self_attn\.sinks", ("layers", "attn", "sinks"), False),
+    (_LAYER + r"mlp\.router\.weight", (*_MOE, "router", "kernel"), True),
+    (_LAYER + r"mlp\.router\.bias", (*_MOE, "router", "bias"), False),
+    (_LAYER + r"mlp\.experts\.down_proj", (*_MOE, "down_proj", "kernel"), False),
+    (_LAYER + r"mlp\.experts\.down_proj_bias", (*_MOE, "down_proj", "bias"), False),
+]
+# gpt-oss's gate and up projections interleaved on the last axis (gate first): tensor ->
+# (gate's path, up's path).
+INTERLEAVED = [
+    (_LAYER + r"mlp\.experts\.gate_up_proj", "kernel"),
+    (_LAYER + r"mlp\.experts\.gate_up_proj_bias", "bias"),
 ]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -80,6 +92,16 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
         if not f.is_file():
             raise WeightsError(f"missing weight file {f}")
     return files
+
+
+def _locate_interleaved(name: str):
+    """-> (layer, [(path, slice of the last axis)] for gate and up), or None."""
+    for pattern, leaf in INTERLEAVED:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return int(m.group(1)), [((*_MOE, f"{p}_proj", leaf), slice(i, None, 2))
+                                     for i, p in enumerate(("gate", "up"))]
+    return None
 
 
 def _locate(name: str):
@@ -149,36 +171,88 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
     names = [(f, n) for f in files for n in _keys(f)]
     bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     opened = {}
+    where = {n: f for f, n in names}
+    read = lambda n: _open(opened, where[n]).get_tensor(n)
+    mxfp4 = _quant_method(hf_dir) == "mxfp4"
     for file, name in bar:
+        if mxfp4 and name.endswith(MXFP4_SCALES) and name[:-len(MXFP4_SCALES)] + \
+                MXFP4_BLOCKS in where:
+            continue  # read with its blocks
+        packed = mxfp4 and name.endswith(MXFP4_BLOCKS)
+        if packed:
+            name = name[:-len(MXFP4_BLOCKS)]
+        split = _locate_interleaved(name)
         target = _locate(name)
-        if target is None:
+        if target is None and split is None:
             if not _IGNORED.match(name):
                 raise WeightsError(f"unexpected tensor {name!r} in {file.name}")
             continue
-        path, layer, expert, transpose = target
-        if path[0] == "lm_head" and cfg.tie_word_embeddings:
+        if target is not None and target[0][0] == "lm_head" and cfg.tie_word_embeddings:
             continue  # a tied checkpoint may still store the (identical) head
-        try:
-            dest, index = _slot(params, path, layer, expert, name)
-        except (KeyError, IndexError):
-            raise WeightsError(f"tensor {name!r} does not belong in a {cfg.architecture} "
-                               "with this config") from None
-        if file not in opened:
-            opened[file] = safe_open(file, "numpy")
-        value = opened[file].get_tensor(name)
-        value = value.T if transpose else value
-        want = dest.shape[len(index):]
-        if value.shape != want:
-            raise WeightsError(f"tensor {name!r} has shape {tuple(value.shape)}, expected "
-                               f"{tuple(want)}" + (" (transposed)" if transpose else ""))
-        dest[index] = value.astype(dtype)
-        filled.add((path, layer, expert))
+        value = _read_mxfp4(name, where, read) if packed else read(name)
+        if split is None:
+            path, layer, expert, transpose = target
+            parts = [(path, value.T if transpose else value, transpose)]
+        else:
+            layer, expert = split[0], None
+            parts = [(path, value[..., cut], False) for path, cut in split[1]]
+        for path, part, transpose in parts:
+            _store(params, path, layer, expert, part, dtype, name, cfg, transpose)
+            filled.update(_filled(path, layer, expert, cfg))
     missing = wanted - filled
     if missing:
         described = _describe(missing)
         raise WeightsError("missing tensor(s): " + ", ".join(described[:5])
                            + (f" and {len(described) - 5} more" if len(described) > 5 else ""))
     return params
+
+
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+
+
+def _quant_method(hf_dir: Path) -> str | None:
+    config = hf_dir / "config.json"
+    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    return qc.get("quant_method") if isinstance(qc, dict) else None
+
+
+def _open(opened: dict, file: Path):
+    if file not in opened:
+        opened[file] = safe_open(file, "numpy")
+    return opened[file]
+
+
+def _read_mxfp4(name: str, where: dict, read):
+    """An MXFP4 tensor's blocks and scales -> float32[E, in, out] (model/formats/mxfp4.py)."""
+    from model.formats import mxfp4
+    if name + MXFP4_SCALES not in where:
+        raise WeightsError(f"tensor {name + MXFP4_BLOCKS!r} has no {name + MXFP4_SCALES!r}")
+    try:
+        return mxfp4.dequantize(read(name + MXFP4_BLOCKS), read(name + MXFP4_SCALES))
+    except ValueError as e:
+        raise WeightsError(f"tensor {name!r}: {e}") from None
+
+
+def _store(params, path, layer, expert, value, dtype, name: str, cfg: ModelConfig,
+           transpose: bool) -> None:
+    try:
+        dest, index = _slot(params, path, layer, expert, name)
+    except (KeyError, IndexError):
+        raise WeightsError(f"tensor {name!r} does not belong in a {cfg.architecture} "
+                           "with this config") from None
+    want = dest.shape[len(index):]
+    if value.shape != want:
+        raise WeightsError(f"tensor {name!r} has shape {tuple(value.shape)}, expected "
+                           f"{tuple(want)}" + (" (transposed)" if transpose else ""))
+    dest[index] = value.astype(dtype)
+
+
+def _filled(path, layer, expert, cfg: ModelConfig):
+    """What a tensor filled, as _expected names it: one tensor holding every expert's
+    kernel fills each expert's slot."""
+    if expert is None and path[:2] == _MOE and path[2] in EXPERT_KERNELS:
+        return [(path, layer, e) for e in range(cfg.num_experts)]
+    return [(path, layer, expert)]
 
 
 def _expected(abstract, cfg: ModelConfig):

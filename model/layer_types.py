@@ -6,8 +6,8 @@ included: transformers' convention). 0 means the layer attends to everything bef
 from __future__ import annotations
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-# Gemma's configs may predate `layer_types`: every n-th layer (1-based) is global.
-GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+# Configs that may predate `layer_types`: every n-th layer (1-based) attends fully.
+PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 
 
 class LayerTypesError(ValueError):
@@ -27,9 +27,9 @@ def sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int, ...]:
             return _from_types(hf["layer_types"], window, num_layers)
         first = hf.get("max_window_layers", num_layers)
         return tuple(window if i >= first else 0 for i in range(num_layers))
-    if arch in GEMMA_PATTERN:
+    if arch in PATTERN:
         types = hf.get("layer_types") or _pattern(hf.get("sliding_window_pattern")
-                                                  or GEMMA_PATTERN[arch], num_layers)
+                                                  or PATTERN[arch], num_layers)
         return _from_types(types, window, num_layers)
     return (0,) * num_layers
 

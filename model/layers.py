@@ -1,12 +1,9 @@
-"""Building blocks shared by every family: linear, RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by every family: linear, RMSNorm, activations, soft-cap, gated MLP."""
 from __future__ import annotations
-
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from model import lora
 from model.config import ModelConfig
@@ -108,50 +105,3 @@ def soft_cap(x, cap: float):
     """cap * tanh(x / cap) (Gemma 2's final logits); cap 0: x. In x's dtype, as
     transformers caps the head's output."""
     return cap * jnp.tanh(x / cap) if cap else x
-
-
-def rope_inv_freq(cfg: ModelConfig, layer: int = 0) -> np.ndarray:
-    """float32[D/2] inverse frequencies of `layer`, with Llama 3 / linear scaling applied
-    (Gemma 3's window layers have a base of their own and no scaling)."""
-    dim = cfg.head_dim
-    local = cfg.local_rope_theta and cfg.window(layer)
-    theta = cfg.local_rope_theta if local else cfg.rope_theta
-    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    rs = {} if local else cfg.rope_scaling_dict
-    if rs.get("rope_type") == "linear":
-        inv = inv / rs["factor"]
-    elif rs.get("rope_type") == "llama3":
-        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old_len = rs["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def _rotate(x, cos, rotated, sin):
-    return x * cos + rotated * sin
-
-
-def _rotate_unfused(x, cos, rotated, sin):
-    """The two products kept apart from their sum: XLA:CPU contracts `a * b + c * d` into an
-    FMA in some fusions and not in others, and which one it builds depended on the step's
-    token count, so a key's last bits changed with the batch (docs/architecture.md, "Batch
-    invariance")."""
-    a, b = jax.lax.optimization_barrier((x * cos, rotated * sin))
-    return a + b
-
-
-def apply_rope(x, positions, inv_freq):
-    """x: [T, N, D] rotated by position (the rotate-half layout of transformers). On CPUs
-    without the FMA contraction XLA chooses per fusion; elsewhere as XLA fuses it."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb)[:, None, :].astype(x.dtype), jnp.sin(emb)[:, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return jax.lax.platform_dependent(x, cos, rotated, sin, cpu=_rotate_unfused,
-                                      default=_rotate)

@@ -4,7 +4,9 @@ on exactly the tokens sent to it (dropless), in shapes fixed by the step's token
 Routing is transformers' for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: router logits, a
 softmax over every expert in float32, the k largest, divided by their sum where the model
 renormalizes (`ModelConfig.norm_topk_prob`), each weight multiplying its expert's output
-(in float32 or in the activations' dtype: `MoeFamily.float32_weights`).
+(in float32 or in the activations' dtype: `MoeFamily.float32_weights`). gpt-oss picks the k
+largest logits of a router with a bias and softmaxes those k in the activations' dtype; its
+experts carry biases and gate with a clamped SwiGLU.
 
 The experts' matmuls: the step's (token, slot) pairs sorted by expert, their rows gathered,
 and one grouped matmul per projection over the sorted rows (quant/ops.grouped_matmul), so
@@ -30,17 +32,27 @@ from quant import ops as quant_ops
 
 
 class ExpertLinear(nn.Module):
-    """One [in, out] kernel per expert, stacked: kernel [E, in, out]."""
+    """One [in, out] kernel per expert, stacked: kernel [E, in, out]; and a bias [E, out]
+    where the family has them."""
     features: int
     num_experts: int
     param_dtype: str = "float32"
+    use_bias: bool = False
 
     @nn.compact
-    def __call__(self, rows, group_sizes):
-        """rows [M, in] sorted by expert, group_sizes int32[E] -> [M, out]."""
+    def __call__(self, rows, group_sizes, row_experts=None):
+        """rows [M, in] sorted by expert, group_sizes int32[E] -> [M, out]. row_experts
+        int32[M]: each row's expert, E for rows no expert here computes (they stay 0)."""
         w = self.param("kernel", init, (self.num_experts, rows.shape[-1], self.features),
                        self.param_dtype)
-        return quant_ops.grouped_matmul(rows, w, group_sizes)
+        y = quant_ops.grouped_matmul(rows, w, group_sizes)
+        if self.use_bias:
+            b = self.param("bias", nn.initializers.zeros, (self.num_experts, self.features),
+                           self.param_dtype)
+            ours = (row_experts < self.num_experts)[:, None]
+            y = y + jnp.where(ours, b[jnp.minimum(row_experts, self.num_experts - 1)],
+                              0).astype(y.dtype)
+        return y
 
 
 def _sum_columns(x):
@@ -63,6 +75,14 @@ def route(logits, k: int, renormalize: bool):
     return weights, experts.astype(jnp.int32)
 
 
+def route_topk_softmax(logits, k: int):
+    """gpt-oss: the k largest logits, softmaxed among themselves in the logits' dtype (as
+    transformers does), their sum in a fixed order."""
+    top, experts = jax.lax.top_k(logits, k)
+    e = jnp.exp(top - top[:, :1])  # top_k sorts: column 0 is the largest
+    return e / _sum_columns(e)[:, None], experts.astype(jnp.int32)
+
+
 def dispatch(experts, num_experts: int):
     """experts int32[T, k] -> (order int32[T*k]: the flattened (token, slot) pairs sorted by
     expert, token order kept within an expert; inverse int32[T*k]: where each pair went;
@@ -83,13 +103,26 @@ def local_expert_ids(experts, local: int, shard):
     return jnp.where((ids >= 0) & (ids < local), ids, local).astype(jnp.int32)
 
 
-def _expert_mlp(rows, sizes, lin, joined: bool, n: int, hidden: int):
+def clamped_swiglu(gate, up, limit: float, alpha: float):
+    """gpt-oss's gate: the gate clamped above, up clamped both ways and shifted by one."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * nn.sigmoid(gate * alpha))
+
+
+def _expert_mlp(rows, sizes, ids, lin, joined: bool, cfg: ModelConfig):
     """Every sorted row through its expert's gated MLP: rows [M, H] -> [M, H]."""
+    n = cfg.moe_intermediate_size
     if joined:  # gate and up joined at load, as the dense MLP's
-        gate, up = jnp.split(lin(2 * n, "gate_up_proj")(rows, sizes), 2, axis=-1)
+        gate, up = jnp.split(lin(2 * n, "gate_up_proj")(rows, sizes, ids), 2, axis=-1)
     else:
-        gate, up = lin(n, "gate_proj")(rows, sizes), lin(n, "up_proj")(rows, sizes)
-    return lin(hidden, "down_proj")(nn.silu(gate) * up, sizes)
+        gate, up = (lin(n, "gate_proj")(rows, sizes, ids),
+                    lin(n, "up_proj")(rows, sizes, ids))
+    if cfg.swiglu_limit:
+        h = clamped_swiglu(gate, up, cfg.swiglu_limit, cfg.swiglu_alpha)
+    else:
+        h = nn.silu(gate) * up
+    return lin(cfg.hidden_size, "down_proj")(h, sizes, ids)
 
 
 def weighted_slots(out, weights, float32_weights: bool) -> list:
@@ -104,7 +137,7 @@ def weighted_slots(out, weights, float32_weights: bool) -> list:
 
 def _sum_unfused(*terms):
     """The products computed before any sum: XLA:CPU contracts `a * b + c` into an FMA in
-    some fusions and not in others, by the step's token count (layers._rotate_unfused)."""
+    some fusions and not in others, by the step's token count (rope._rotate_unfused)."""
     return reduce(add, jax.lax.optimization_barrier(terms))
 
 
@@ -122,20 +155,24 @@ class MoE(nn.Module):
     def __call__(self, x):
         """x [T, H] -> [T, H]."""
         cfg = self.cfg
-        T, k = x.shape[0], cfg.num_experts_per_tok
-        logits = Linear(cfg.num_experts, False, cfg.dtype, name="router")(x)
-        weights, experts = route(logits, k, cfg.norm_topk_prob)
+        T, k, family = x.shape[0], cfg.num_experts_per_tok, cfg.moe_family
+        logits = Linear(cfg.num_experts, family.biases, cfg.dtype, name="router")(x)
+        if family.topk_then_softmax:
+            weights, experts = route_topk_softmax(logits, k)
+        else:
+            weights, experts = route(logits, k, cfg.norm_topk_prob)
         local = cfg.local_experts
         if local < cfg.num_experts:  # expert parallel: this shard's experts alone
             experts = local_expert_ids(experts, local, jax.lax.axis_index(self.axis))
         # group `local` (empty unless expert parallel) holds other shards' pairs: cut off
         order, inverse, sizes = dispatch(experts, local + 1)
         sizes = sizes[:local]
-        lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, name=name)
-        out = _expert_mlp(x[order // k], sizes, lin, self.has_variable("params", "gate_up_proj"),
-                          cfg.moe_intermediate_size, cfg.hidden_size)
+        ids = experts.reshape(-1)[order] if family.biases else None  # each sorted row's
+        lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, family.biases, name=name)
+        out = _expert_mlp(x[order // k], sizes, ids, lin,
+                          self.has_variable("params", "gate_up_proj"), cfg)
         terms = weighted_slots(out[inverse].reshape(T, k, -1), weights,
-                               cfg.moe_family.float32_weights)
+                               family.float32_weights)
         if cfg.shared_expert_intermediate_size:
             shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
             gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)

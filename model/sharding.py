@@ -69,6 +69,10 @@ def check_size(cfg: ModelConfig, n: int, num_devices: int | None = None) -> None
     if cfg.expert_shards not in (1, n):
         raise TensorParallelError(f"experts split over {cfg.expert_shards} devices but "
                                   f"tensor_parallel_size is {n}")
+    if n > 1 and (cfg.attn_sinks or (cfg.num_experts and cfg.moe_family.biases)):
+        raise TensorParallelError(f"tensor parallel does not split {cfg.architecture}'s "
+                                  "attention sinks and expert biases yet; use "
+                                  "tensor_parallel_size 1")
     sizes = valid_sizes(cfg)
     if n not in sizes:
         experts = ""

@@ -1,5 +1,6 @@
 """The decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3
-families and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in Flax.
+families and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss), in
+Flax.
 
 `forward(params, cache, batch, cfg)` is a pure function: it returns the logits of the tokens
 named by `batch.logits_indices` and the cache with this step's keys and values written in.
@@ -20,8 +21,9 @@ from model.kv_cache import KVCache, write_kv
 from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
-from model.layers import (MLP, Linear, apply_rope, embed, matmul, matmul_t, norm,
-                          reduce_shards, rope_inv_freq, soft_cap)
+from model.layers import (MLP, Linear, embed, matmul, matmul_t, norm, reduce_shards,
+                          soft_cap)
+from model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -49,12 +51,16 @@ class Attention(nn.Module):
             q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if cfg.clip_qkv:
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
-        inv_freq = rope_inv_freq(cfg, layer)
-        q = apply_rope(q, batch.positions, inv_freq)
-        k = apply_rope(k, batch.positions, inv_freq)
+        inv_freq, factor = rope_inv_freq(cfg, layer), rope_attention_factor(cfg, layer)
+        q = apply_rope(q, batch.positions, inv_freq, factor)
+        k = apply_rope(k, batch.positions, inv_freq, factor)
         cache = write_kv(cache, layer, k, v, batch.slot_mapping)
+        sinks = None
+        if cfg.attn_sinks:  # gpt-oss: one learned logit per query head
+            sinks = self.param("sinks", nn.initializers.normal(0.02), (cfg.num_heads,),
+                               cfg.dtype).astype(jnp.float32)
         out = paged_attention(q, cache, layer, batch, window, cfg.attn_scale, self.backend,
-                              soft_cap=cfg.attn_soft_cap)
+                              sinks=sinks, soft_cap=cfg.attn_soft_cap)
         out = Linear(cfg.hidden_size, cfg.o_bias, cfg.dtype, name="o_proj")(
             out.reshape(T, cfg.q_size))
         return reduce_shards(out, self.axis), cache

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
@@ -71,6 +71,16 @@ def _tiny_moe_config(family: str):
         return (tf.Qwen3MoeConfig(**common, head_dim=20, num_experts=4, moe_intermediate_size=40,
                                   norm_topk_prob=True, tie_word_embeddings=True),
                 tf.Qwen3MoeForCausalLM)
+    if family == "gpt_oss":
+        # Window and full layers alternating, sinks, biases everywhere (random: the init
+        # draws them), YaRN over a short original context so its ramp covers several dims.
+        return (tf.GptOssConfig(**{**common, "intermediate_size": 40, "max_position_embeddings": 128},
+                                head_dim=16,
+                                num_local_experts=4, sliding_window=8, rope_parameters={
+                                    "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": 32}),
+                tf.GptOssForCausalLM)
     return (tf.OlmoeConfig(**{**common, "intermediate_size": 40}, num_experts=4, clip_qkv=1.5),
             tf.OlmoeForCausalLM)
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against transformers:
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) against transformers:
 logits over the paged cache, greedy tokens through the engine, routing forced to corner cases,
 dummy weights, conversion, and the config fields we refuse."""
 import json
@@ -26,7 +26,7 @@ RTOL = 1e-4
 VARIANTS = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}),
             "qwen3_moe": ("qwen3_moe", {}),
             "qwen3_moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
-            "olmoe": ("olmoe", {})}
+            "olmoe": ("olmoe", {}), "gpt_oss": ("gpt_oss", {})}
 # One token bucket: one step program per engine, shared by every engine of a config
 # through the executable cache.
 OPTIONS = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16, page_size=PAGE,
@@ -87,13 +87,18 @@ def test_config_reads_each_family(variant):
     name, model, folder = variant
     cfg = ModelConfig.from_dir(folder)
     hf = model.config
+    gpt_oss = name == "gpt_oss"
     assert cfg.num_experts_per_tok == 2
-    assert cfg.norm_topk_prob == (name == "mixtral" or bool(getattr(hf, "norm_topk_prob")))
+    assert cfg.norm_topk_prob == (name == "mixtral" or bool(getattr(hf, "norm_topk_prob", 0)))
     assert cfg.moe_layers == ((True, False, True) if name == "qwen2_moe" else (True,) * 3)
     assert cfg.shared_expert_intermediate_size == (56 if name == "qwen2_moe" else 0)
-    assert cfg.qkv_bias == (name == "qwen2_moe") and not cfg.o_bias
+    assert cfg.qkv_bias == (name in ("qwen2_moe", "gpt_oss")) and cfg.o_bias == gpt_oss
     assert (cfg.qk_norm, cfg.qk_norm_full) == (name.startswith("qwen3"), name == "olmoe")
     assert cfg.clip_qkv == (1.5 if name == "olmoe" else 0.0)
+    assert cfg.attn_sinks == gpt_oss and cfg.moe_family.biases == gpt_oss
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == ((7.0, 1.702) if gpt_oss else (0.0, 0.0))
+    assert cfg.sliding_windows == ((8, 0, 8) if gpt_oss else (0, 0, 0))
+    assert cfg.rope_scaling_dict.get("rope_type") == ("yarn" if gpt_oss else None)
 
 
 def test_dummy_weights_run(qwen2_moe):
@@ -160,8 +165,9 @@ def test_joined_gate_up_gives_the_same_output(variant):
     name, _, folder = variant
     cfg, params = load_model(folder, progress=False)
     moe = dict(_moe_params(params, 0))
-    gate, up = moe.pop("gate_proj")["kernel"], moe.pop("up_proj")["kernel"]
-    joined = dict(moe, gate_up_proj={"kernel": jnp.concatenate([gate, up], axis=-1)})
+    gate, up = moe.pop("gate_proj"), moe.pop("up_proj")
+    joined = dict(moe, gate_up_proj={p: jnp.concatenate([gate[p], up[p]], axis=-1)
+                                     for p in gate})  # kernels, and biases where they are
     x = jnp.asarray(np.random.default_rng(1).normal(size=(9, cfg.hidden_size)), jnp.float32)
     apart = MoE(cfg).apply({"params": _moe_params(params, 0)}, x)
     np.testing.assert_allclose(MoE(cfg).apply({"params": joined}, x), apart, rtol=1e-6,

@@ -24,8 +24,11 @@ QUANT_METHODS = {
     "awq": ("awq", "AWQ"),
     "fp8": ("fp8_blocks", "fp8 with block scales"),
 }
+# Read by the float loader, dequantized as they load (model/formats/mxfp4.py); a recipe may
+# quantize them again.
+DEQUANTIZED_METHODS = ("mxfp4",)
 # what --quantize may name for a checkpoint quantized on disk (it must be its own)
-PREQUANTIZED_METHODS = (*QUANT_METHODS, "gguf")
+PREQUANTIZED_METHODS = (*QUANT_METHODS, *DEQUANTIZED_METHODS, "gguf")
 
 
 class FormatError(WeightsError):
@@ -81,7 +84,8 @@ def _is_recipe(spec: str) -> bool:
 
 def load_folder(folder: Path, cfg: ModelConfig, quantize: str | None) -> dict | None:
     """A pre-quantized folder's (or a GGUF's) numpy parameter tree, its forms logged; None
-    for a float Hugging Face folder, which model/hf_weights.py reads."""
+    for a float Hugging Face folder, which model/hf_weights.py reads (MXFP4 experts too,
+    dequantized there)."""
     from model.formats import gguf_file
     if gguf_file.is_gguf_folder(folder):
         params, log = gguf_file.load_gguf_weights(folder, cfg, quantize)
@@ -92,6 +96,14 @@ def load_folder(folder: Path, cfg: ModelConfig, quantize: str | None) -> dict | 
                 raise FormatError(f"--quantize {quantize} names a checkpoint format, but "
                                   f"{folder} holds no quantization_config: leave it out, or "
                                   "name a recipe (int8, int4, fp8) to quantize as it loads")
+            return None
+        if qc["quant_method"] in DEQUANTIZED_METHODS:
+            from model.formats import mxfp4
+            mxfp4.check(qc, cfg, folder)
+            if quantize and quantize != "mxfp4" and not _is_recipe(quantize):
+                check_requested(qc, quantize, folder)
+            _log.info("MXFP4 experts dequantized to %s as they load%s", cfg.dtype,
+                      f", then quantized by {quantize}" if _is_recipe(quantize or "") else "")
             return None
         check_requested(qc, quantize, folder)
         params, log = load_prequantized(folder, cfg, qc)
