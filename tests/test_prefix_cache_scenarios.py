@@ -102,7 +102,7 @@ def check_sinks(sched: Scheduler, r: Request, pages: list[int]) -> int:
         return 0
     assert sinks <= num_skipped_pages(r.num_computed_tokens, cfg.sliding_window,
                                       cfg.page_size)
-    assert len(pages) - sinks <= sched._window_pages()
+    assert len(pages) - sinks <= sched.window_pages()
     return sinks
 
 

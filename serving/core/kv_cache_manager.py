@@ -2,7 +2,7 @@
 pages it has computed. It sits between the scheduler (which asks it for pages) and the
 PageAllocator (which owns ref counts, hashes and eviction). No JAX.
 
-A request's page table is append-only: its leading pages may be shared cached pages (a hit),
+A request's page table grows only at its end: its leading pages may be shared cached pages (a hit),
 the rest are its own. A page is cached (made findable by its hash) only once every token in
 it has been computed, in `cache_computed` after the step that computed it, so a request
 never finds K/V that is still being written, and a cached page is never written again: a
@@ -19,9 +19,6 @@ from serving.core.kv_window import cdiv, num_skipped_pages, window_hit
 from serving.core.page_allocator import SINK_PAGE, PageAllocator
 from serving.core.page_hash import hash_pages
 from serving.core.request import Request
-
-__all__ = ["KVCacheManager", "cdiv"]
-
 
 def _held(pages: list[int]) -> list[int]:
     """The pages a table references (its SINK_PAGE entries hold nothing)."""

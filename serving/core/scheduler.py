@@ -91,7 +91,7 @@ class Scheduler:
         # On a window model a request holds a bounded number of pages however long it grows.
         capacity = self.allocator.num_usable_pages * config.page_size
         self._max_len = min(config.max_model_len, capacity + 1)
-        if 0 < self._window_pages() <= self.allocator.num_usable_pages:
+        if 0 < self.window_pages() <= self.allocator.num_usable_pages:
             self._max_len = config.max_model_len
 
     # -- requests in and out --------------------------------------------------------------
@@ -113,14 +113,14 @@ class Scheduler:
         else:
             fit_max_tokens(n, None, cfg.max_model_len)
         pages = cdiv(n + (req.pooling_params is None), cfg.page_size)
-        if self._window_pages():
-            pages = min(pages, self._window_pages())
+        if self.window_pages():
+            pages = min(pages, self.window_pages())
         if pages > self.allocator.num_usable_pages:
             raise RequestRefused(f"the prompt has {n} tokens and needs {pages} KV cache pages "
                                  f"of {cfg.page_size} tokens, but the cache has only "
                                  f"{self.allocator.num_usable_pages}", param="prompt")
 
-    def _window_pages(self) -> int:
+    def window_pages(self) -> int:
         """On a window model, the most pages one request holds at once (0: no window). A
         step of T tokens from position c needs the keys c - W + 1 .. c + T - 1, W - 1 + T
         positions, which touch at most cdiv(W - 1 + T, page_size) + 1 pages; T is at most
@@ -341,7 +341,8 @@ class Scheduler:
 
     @property
     def max_len(self) -> int:
-        """The longest a request may grow: max_model_len, or what the whole cache holds."""
+        """The longest a request may grow: max_model_len, or what the whole cache holds
+        (unless the window bounds the pages a request holds)."""
         return self._max_len
 
     @property
