@@ -136,10 +136,9 @@ def test_pages_given_back_stay_cached_and_a_hit_survives_their_eviction():
     sched.abort("b")
     assert alloc.num_used_pages == 0
     # Full attention on the same cache finds nothing: page 0 is gone.
-    full = make_scheduler(num_pages=33, max_num_batched_tokens=8, sliding_window=0)
-    full.allocator, full.kv_cache_manager.allocator = alloc, alloc
-    assert full.kv_cache_manager.get_computed_pages(Request("c", prompt + [5],
-                                                            SamplingParams())) == []
+    sched.kv_cache_manager.sliding_window = 0
+    assert sched.kv_cache_manager.get_computed_pages(Request("c", prompt + [5],
+                                                             SamplingParams())) == []
 
 
 def test_rejected_proposals_are_trimmed_after_pages_went_back():

@@ -1,7 +1,8 @@
 """A sliding-window model through the engine (docs/architecture.md, "Sliding windows and
 hybrid KV"): a tiny random Mistral with an 8-key window decodes far past it on a few live
 pages and gives transformers' greedy tokens, the same as with every page kept; a prefix-cache
-hit, whose early pages are SINK entries, gives the same tokens as a cold run."""
+hit, whose early pages are SINK entries, gives the same tokens as a cold run. On the CPU
+kernel and on the reference backend."""
 import pytest
 
 from serving import LLM, SamplingParams
@@ -23,10 +24,17 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
+def mistral_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mistral-window")
-    model = tiny_hf_model("mistral", folder, sliding_window=W)
-    return model, LLM(str(folder), **OPTIONS)
+    return tiny_hf_model("mistral", folder, sliding_window=W), folder
+
+
+# The CPU kernel walks only the keys in the window; the reference reads every page table
+# entry (sink ones too) and masks.
+@pytest.fixture(scope="module", params=["auto", "reference"])
+def mistral(request, mistral_folder):
+    model, folder = mistral_folder
+    return model, LLM(str(folder), attention_backend=request.param, **OPTIONS)
 
 
 def watch_allocations(kvm, monkeypatch) -> list[tuple[list[int], int]]:
