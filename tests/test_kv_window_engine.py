@@ -95,3 +95,19 @@ def test_a_window_prefix_hit_gives_the_tokens_of_a_cold_run(mistral, monkeypatch
     assert hit[:12 - need] == [SINK_PAGE] * (12 - need) and SINK_PAGE not in hit[-need:]
     assert warm.token_ids == cold.token_ids
     assert sched.allocator.num_used_pages == 0
+
+
+def test_ngram_speculation_past_the_window_keeps_the_tokens(mistral_folder):
+    """Rejected proposals are trimmed from pages that sit behind given-back ones."""
+    model, folder = mistral_folder
+    llm = LLM(str(folder), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+              **OPTIONS)
+    sched = llm.engine.scheduler
+    assert sched.kv_cache_manager.sliding_window == W
+    prompt = PROMPT[:6] * 4  # repeats, so the proposer finds earlier occurrences
+    [result] = llm.generate([prompt], greedy())
+    assert list(result.token_ids) == greedy_reference(model, prompt, MAX_TOKENS)
+    stats = sched.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sched.allocator.num_used_pages == 0
