@@ -11,12 +11,17 @@ After every step and every operation the books are checked:
 - a cached page's hash matches the tokens it holds;
 - once every request has ended, no page is referenced;
 - with speculation (random proposals, random acceptance), K/V written for a rejected
-  proposed token is never read or cached, and its pages go back.
+  proposed token is never read or cached, and its pages go back;
+- on a sliding-window model, every key a step reads is still held (pages behind the window
+  are SINK entries, a leading run), and a request holds no more pages than the window
+  bound the scheduler admits by.
 """
 import random
 
 import pytest
 
+from serving.core.kv_window import num_skipped_pages
+from serving.core.page_allocator import SINK_PAGE
 from serving.core.page_hash import hash_pages
 from serving.core.request import Request, RequestStatus
 from serving.core.sampling_params import SamplingParams
@@ -39,7 +44,9 @@ class FakeDevice:
         ps, alloc = self.sched.config.page_size, self.sched.allocator
         for s in out.scheduled:
             r = s.request
-            for pos in range(s.start):  # what attention reads
+            window = self.sched.config.sliding_window
+            for pos in range(max(s.start - window + 1, 0) if window else 0, s.start):
+                # what attention reads
                 slot = s.page_ids[pos // ps] * ps + pos % ps
                 assert self.kv.get(slot) == self.key(r, pos), "read K/V of another prefix"
             for pos in range(s.start, s.start + s.num_new_tokens):  # what it writes
@@ -49,13 +56,16 @@ class FakeDevice:
                 self.kv[page * ps + pos % ps] = self.key(r, pos, s.spec_token_ids)
 
 
-def check_books(sched: Scheduler, device: FakeDevice, order: dict[str, int]) -> None:
+def check_books(sched: Scheduler, device: FakeDevice, order: dict[str, int]) -> int:
+    """Returns how many SINK entries the page tables hold."""
     cfg, alloc, kvm = sched.config, sched.allocator, sched.kv_cache_manager
-    holders = [0] * cfg.num_pages
+    holders, num_sinks = [0] * cfg.num_pages, 0
     for rid, r in sched.requests.items():
         pages = kvm.page_ids(rid)
-        assert len(pages) == len(set(pages)) and 0 not in pages
-        for p in pages:
+        sinks = check_sinks(sched, r, pages)
+        held, num_sinks = pages[sinks:], num_sinks + sinks
+        assert len(held) == len(set(held)) and SINK_PAGE not in held
+        for p in held:
             holders[p] += 1
         if r.status is RequestStatus.WAITING:
             assert (r.num_computed_tokens, pages) == (0, [])
@@ -79,6 +89,21 @@ def check_books(sched: Scheduler, device: FakeDevice, order: dict[str, int]) -> 
     everyone = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
     assert sorted(everyone, key=order.get) == everyone  # running, then waiting, by arrival
     assert set(everyone) == set(sched.requests)
+    return num_sinks
+
+
+def check_sinks(sched: Scheduler, r: Request, pages: list[int]) -> int:
+    """A page table's SINK entries are a leading run, all behind the window; returns their
+    number."""
+    cfg = sched.config
+    sinks = next((i for i, p in enumerate(pages) if p != SINK_PAGE), len(pages))
+    if not cfg.sliding_window:
+        assert sinks == 0
+        return 0
+    assert sinks <= num_skipped_pages(r.num_computed_tokens, cfg.sliding_window,
+                                      cfg.page_size)
+    assert len(pages) - sinks <= sched.window_pages()
+    return sinks
 
 
 def check_plan(sched: Scheduler, out: SchedulerOutput, was_waiting: set[str]) -> None:
@@ -151,7 +176,8 @@ def propose(rng: random.Random, sched: Scheduler) -> None:
                                 else [rng.randrange(50) for _ in range(k)])
 
 
-def run_scenario(seed: int, num_ops: int, speculate: bool = False) -> Scheduler:
+def run_scenario(seed: int, num_ops: int, speculate: bool = False,
+                 window: int = 0) -> Scheduler:
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 4, 8])
     cfg = SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]),
@@ -159,11 +185,12 @@ def run_scenario(seed: int, num_ops: int, speculate: bool = False) -> Scheduler:
                           page_size=page_size,
                           num_pages=1 + rng.choice([48, 64, 128]) // page_size,
                           long_prefill_token_threshold=rng.choice([0, 0, 5]),
-                          enable_prefix_caching=seed % 4 != 3, model_key=f"model-{seed}")
+                          enable_prefix_caching=seed % 4 != 3, model_key=f"model-{seed}",
+                          sliding_window=window)
     sched, work = Scheduler(cfg), Workload(rng)
     device = FakeDevice(sched)
     order, expected = {}, {}
-    stats = dict(finished=0)
+    stats = dict(finished=0, sinks=0)
 
     def add(rid: str, prompt: list[int], params: SamplingParams) -> None:
         req = Request(rid, prompt, params, eos_token_ids=frozenset({EOS}))
@@ -192,7 +219,7 @@ def run_scenario(seed: int, num_ops: int, speculate: bool = False) -> Scheduler:
                 assert sched.page_ids(r.request_id) == []
                 work.finished(r)
                 stats["finished"] += 1
-        check_books(sched, device, order)
+        stats["sinks"] = max(stats["sinks"], check_books(sched, device, order))
         if speculate:
             propose(rng, sched)
 
@@ -222,6 +249,7 @@ def run_scenario(seed: int, num_ops: int, speculate: bool = False) -> Scheduler:
     assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
     assert all(sched.allocator.ref_count(p) == 0 for p in range(cfg.num_pages))
     assert stats["finished"] > 100
+    assert (stats["sinks"] > 0) == (window > 0)  # a window gives pages back on the way
     return sched
 
 
@@ -244,3 +272,21 @@ def test_random_schedules_with_speculation_keep_the_books_straight(seed):
     stats = sched.spec_stats
     assert stats.num_drafts > 100
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+# (seed, window): a one-key window, windows within a page and over several, all page sizes
+WINDOW_CASES = [(0, 1), (1, 3), (2, 8), (3, 13), (4, 5), (5, 8), (6, 3), (7, 13)]
+
+
+@pytest.mark.parametrize("seed,window", WINDOW_CASES)
+def test_random_window_schedules_keep_the_books_straight(seed, window):
+    sched = run_scenario(seed, 2000, window=window)
+    kvm = sched.kv_cache_manager
+    if sched.config.enable_prefix_caching:
+        assert 0 < kvm.prefix_cache_hits < kvm.prefix_cache_queries
+
+
+@pytest.mark.parametrize("seed,window", WINDOW_CASES[:4])
+def test_random_window_schedules_with_speculation_keep_the_books_straight(seed, window):
+    sched = run_scenario(seed, 2000, speculate=True, window=window)
+    assert 0 < sched.spec_stats.num_accepted_tokens < sched.spec_stats.num_draft_tokens

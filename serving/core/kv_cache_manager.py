@@ -2,33 +2,42 @@
 pages it has computed. It sits between the scheduler (which asks it for pages) and the
 PageAllocator (which owns ref counts, hashes and eviction). No JAX.
 
-A request's page table is append-only: its leading pages may be shared cached pages (a hit),
+A request's page table grows only at its end: its leading pages may be shared cached pages (a hit),
 the rest are its own. A page is cached (made findable by its hash) only once every token in
 it has been computed, in `cache_computed` after the step that computed it, so a request
 never finds K/V that is still being written, and a cached page is never written again: a
 hit covers whole pages and the request's next token goes to a page of its own.
+
+On a window model (`sliding_window` > 0, core/kv_window.py) the leading pages no future
+query reads go back to the pool as the request advances: their entries become SINK_PAGE, so
+the table keeps its length and its indexing (position // page_size). They were cached first
+and stay findable until evicted. Every walk over a page table skips those entries.
 """
 from __future__ import annotations
 
-from serving.core.page_allocator import PageAllocator
+from serving.core.kv_window import cdiv, num_skipped_pages, window_hit
+from serving.core.page_allocator import SINK_PAGE, PageAllocator
 from serving.core.page_hash import hash_pages
 from serving.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _held(pages: list[int]) -> list[int]:
+    """The pages a table references (its SINK_PAGE entries hold nothing)."""
+    return [p for p in pages if p != SINK_PAGE]
 
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
-                 model_key: str = ""):
+                 model_key: str = "", sliding_window: int = 0):
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
+        # The window every layer keeps within; 0: some layer reads every page, keep them all.
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.model_key = model_key  # names the weights: the same tokens under other weights differ
         self._pages: dict[str, list[int]] = {}  # request id -> page table
         self._hashes: dict[str, list[bytes]] = {}  # request id -> its full pages' hashes so far
         self._num_cached: dict[str, int] = {}  # request id -> leading pages known cached
+        self._num_skipped: dict[str, int] = {}  # request id -> leading pages given back
         # Counted in tokens as vLLM does: prompt tokens looked up, tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -45,14 +54,20 @@ class KVCacheManager:
                 and req.pooling_params is None)
 
     def get_computed_pages(self, req: Request) -> list[int]:
-        """The cached pages holding req's leading tokens (the longest run of hits, in whole
-        pages). At most num_tokens - 1 tokens: the last one is always computed, for its
-        logits. Only for a request that holds no pages; changes nothing."""
+        """The cached pages holding req's leading tokens, in whole pages: the longest run
+        of hits, or on a window model the longest hit whose last pages (those the first
+        computed token reads) are cached, earlier entries SINK_PAGE. At most
+        num_tokens - 1 tokens: the last one is always computed, for its logits. Only for a
+        request that holds no pages; changes nothing."""
         if self._pages.get(req.request_id) or not self.reads_cache(req):
             return []
         max_pages = (req.num_tokens - 1) // self.page_size
+        hashes = self._request_hashes(req, max_pages)[:max_pages]
+        if self.sliding_window:
+            return window_hit(hashes, self.allocator.lookup, self.sliding_window,
+                              self.page_size)
         pages = []
-        for h in self._request_hashes(req, max_pages)[:max_pages]:
+        for h in hashes:
             page = self.allocator.lookup(h)
             if page is None:
                 break
@@ -63,26 +78,50 @@ class KVCacheManager:
                        computed_pages: list[int] | None = None) -> bool:
         """Grows req's page table to hold num_computed_tokens + num_new_tokens tokens, after
         taking computed_pages (a hit from get_computed_pages, which then covers the first
-        num_computed_tokens) as its leading pages. False, changing nothing, if short."""
+        num_computed_tokens) as its leading pages. False if short of pages, changing
+        nothing but giving back pages the window no longer reads."""
         computed_pages = computed_pages or []
         pages = self._pages.get(req.request_id, [])
         if computed_pages and (pages or req.num_computed_tokens
                                != len(computed_pages) * self.page_size):
             raise ValueError("a cache hit only starts a request's page table")
+        self.remove_skipped_pages(req)
         needed = cdiv(req.num_computed_tokens + num_new_tokens, self.page_size)
         missing = max(needed - len(pages) - len(computed_pages), 0)
+        hit = _held(computed_pages)
         # Hit pages sitting in the free queue leave it, so they count against what is free.
-        revived = sum(1 for p in computed_pages if self.allocator.ref_count(p) == 0)
+        revived = sum(1 for p in hit if self.allocator.ref_count(p) == 0)
         if missing + revived > self.allocator.num_free_pages:
             return False
         if not pages and self.reads_cache(req):
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += len(computed_pages) * self.page_size
-        self.allocator.touch(computed_pages)
+        self.allocator.touch(hit)
         if not pages:
             self._num_cached[req.request_id] = len(computed_pages)
+            self._num_skipped[req.request_id] = len(computed_pages) - len(hit)
         self._pages[req.request_id] = pages + computed_pages + self.allocator.allocate(missing)
         return True
+
+    def remove_skipped_pages(self, req: Request) -> None:
+        """On a window model, gives back req's leading pages that no query from
+        num_computed_tokens on reads (their entries become SINK_PAGE). Only computed
+        positions count, so the pages a verifying step may still trim are never among
+        them. Each page is cached first: a later prompt may still hit it."""
+        rid = req.request_id
+        pages = self._pages.get(rid)
+        if not pages or not self.sliding_window:
+            return
+        skip = min(num_skipped_pages(req.num_computed_tokens, self.sliding_window,
+                                     self.page_size), len(pages))
+        done = self._num_skipped.get(rid, 0)
+        if skip <= done:
+            return
+        self.cache_computed(req)
+        # Tail first among them, as free() does: the earliest pages are the likeliest shared.
+        self.allocator.free(reversed(_held(pages[done:skip])))
+        pages[done:skip] = [SINK_PAGE] * (skip - done)
+        self._num_skipped[rid] = skip
 
     def cache_computed(self, req: Request) -> None:
         """Makes req's full pages whose every token is computed findable by later requests
@@ -96,7 +135,8 @@ class KVCacheManager:
             return
         pages, hashes = self._pages[rid], self._request_hashes(req, num_full)
         for i in range(done, num_full):
-            self.allocator.cache_page(pages[i], hashes[i])
+            if pages[i] != SINK_PAGE:  # given back already: was cached before that
+                self.allocator.cache_page(pages[i], hashes[i])
         self._num_cached[rid] = num_full
 
     def trim(self, req: Request) -> None:
@@ -105,18 +145,23 @@ class KVCacheManager:
         pages = self._pages.get(req.request_id)
         keep = cdiv(req.num_computed_tokens, self.page_size)
         if pages and len(pages) > keep:
-            self.allocator.free(reversed(pages[keep:]))
+            self.allocator.free(reversed(_held(pages[keep:])))
             del pages[keep:]
 
     def free(self, req: Request) -> None:
         """Drops req's references, tail pages first: they are evicted before the head pages,
         which other requests are likelier to share."""
         rid = req.request_id
-        self.allocator.free(reversed(self._pages.pop(rid, [])))
+        self.allocator.free(reversed(_held(self._pages.pop(rid, []))))
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
+        self._num_skipped.pop(rid, None)
 
     # -- introspection ----------------------------------------------------------------------
+
+    def num_live_pages(self, request_id: str) -> int:
+        """The pages req's table references (its SINK_PAGE entries not counted)."""
+        return len(_held(self._pages.get(request_id, [])))
 
     @property
     def usage(self) -> float:

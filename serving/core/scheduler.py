@@ -24,6 +24,9 @@ class SchedulerConfig:
     model_key: str = ""  # names the weights in page hashes
     # LoRA: the most distinct adapters running at once (the device's slots); 0: LoRA off
     max_loras: int = 0
+    # The window every layer attends within (core/kv_window.py: common_window); 0: some
+    # layer attends fully. Above 0, pages behind the window go back as a request advances.
+    sliding_window: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -33,6 +36,8 @@ class SchedulerConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the sink), got {self.num_pages}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.sliding_window < 0:
+            raise ValueError("sliding_window must be >= 0")
 
 
 @dataclass
@@ -69,7 +74,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv_cache_manager = KVCacheManager(config.num_pages, config.page_size,
-                                               config.enable_prefix_caching, config.model_key)
+                                               config.enable_prefix_caching, config.model_key,
+                                               config.sliding_window)
         self.allocator = self.kv_cache_manager.allocator
         self.waiting: deque[Request] = deque()
         # Admission is FCFS and preemption takes the newest, so every running request arrived
@@ -82,8 +88,11 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         self._spare_rows = 0  # sampled rows this step may still give proposed tokens
         # A request longer than the whole cache could never be scheduled again; stop it there.
+        # On a window model a request holds a bounded number of pages however long it grows.
         capacity = self.allocator.num_usable_pages * config.page_size
         self._max_len = min(config.max_model_len, capacity + 1)
+        if 0 < self.window_pages() <= self.allocator.num_usable_pages:
+            self._max_len = config.max_model_len
 
     # -- requests in and out --------------------------------------------------------------
 
@@ -104,10 +113,22 @@ class Scheduler:
         else:
             fit_max_tokens(n, None, cfg.max_model_len)
         pages = cdiv(n + (req.pooling_params is None), cfg.page_size)
+        if self.window_pages():
+            pages = min(pages, self.window_pages())
         if pages > self.allocator.num_usable_pages:
             raise RequestRefused(f"the prompt has {n} tokens and needs {pages} KV cache pages "
                                  f"of {cfg.page_size} tokens, but the cache has only "
                                  f"{self.allocator.num_usable_pages}", param="prompt")
+
+    def window_pages(self) -> int:
+        """On a window model, the most pages one request holds at once (0: no window). A
+        step of T tokens from position c needs the keys c - W + 1 .. c + T - 1, W - 1 + T
+        positions, which touch at most cdiv(W - 1 + T, page_size) + 1 pages; T is at most
+        the step budget, proposed tokens included."""
+        cfg = self.config
+        if not cfg.sliding_window:
+            return 0
+        return cdiv(cfg.sliding_window - 1 + cfg.max_num_batched_tokens, cfg.page_size) + 1
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        reason: int | str | None = None) -> None:
@@ -320,7 +341,8 @@ class Scheduler:
 
     @property
     def max_len(self) -> int:
-        """The longest a request may grow: max_model_len, or what the whole cache holds."""
+        """The longest a request may grow: max_model_len, or what the whole cache holds
+        (unless the window bounds the pages a request holds)."""
         return self._max_len
 
     @property

@@ -40,6 +40,7 @@ from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
                                    disable_jax_compilation_cache)
 from serving.core.sampling_params import SamplingParams
+from serving.core.kv_window import common_window
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
@@ -162,7 +163,10 @@ class LLMEngine:
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
             model_key=model_key(self.model_dir, ec),
-            max_loras=self.lora.config.max_loras if self.lora else 0))
+            max_loras=self.lora.config.max_loras if self.lora else 0,
+            # A draft model reads its own K/V on the target's pages from position 0 on
+            # (core/draft_proposer.py), so with one no page goes back early.
+            sliding_window=0 if self.draft else common_window(self.cfg.sliding_windows)))
         self.runner.allocate_kv_cache(self.num_pages)
         if self.placement.size > 1:
             mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
