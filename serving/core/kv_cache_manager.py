@@ -20,6 +20,7 @@ from serving.core.page_allocator import SINK_PAGE, PageAllocator
 from serving.core.page_hash import hash_pages
 from serving.core.request import Request
 
+
 def _held(pages: list[int]) -> list[int]:
     """The pages a table references (its SINK_PAGE entries hold nothing)."""
     return [p for p in pages if p != SINK_PAGE]
