@@ -71,6 +71,33 @@ def test_max_model_len_default_is_what_the_cache_holds_and_a_request_beyond_it_f
         plan_memory(**common, max_model_len=20000)
 
 
+def test_a_window_model_plans_for_the_pages_a_request_holds():
+    """Pages behind the window go back as a request grows (docs/architecture.md, "Sliding
+    windows and hybrid KV"): a 1023-page cache serves the whole context of a model whose
+    requests hold at most 600 pages, and counts its concurrency by those 600."""
+    page = 1 << 20
+    common = dict(device_bytes=10 * GIB, weight_bytes=8 * GIB, activation_bytes=0,
+                  page_bytes=page, page_size=16, model_max_len=1 << 20)
+    plan = plan_memory(**common, seq_pages=600)
+    assert plan.max_model_len == 1 << 20
+    assert plan.max_concurrency == pytest.approx(1023 / 600)
+    assert plan_memory(**common, max_model_len=20000, seq_pages=600).max_model_len == 20000
+    with pytest.raises(MemoryPlanError, match="needs 1100 KV pages"):
+        plan_memory(**common, max_model_len=20000, seq_pages=1100)
+
+
+def test_cpu_cache_for_a_window_model_holds_what_its_requests_hold(monkeypatch):
+    """Off-GPU, the default cache is max_num_seqs requests' worth of pages: on a window
+    model the window's pages, not the whole context's."""
+    from serving.core.config import EngineConfig
+    from serving.engine import sizing
+    monkeypatch.setattr(sizing, "available_memory", lambda: 64 * GIB)
+    ec = EngineConfig(max_num_seqs=4, page_size=16)
+    assert sizing.num_pages(ec, 1 << 20, 2048) == 4 * 128 + 1
+    assert sizing.num_pages(ec, 1 << 20, 2048, seq_pages=40) == 4 * 40 + 1
+    assert sizing.num_pages(ec, 1 << 20, 256, seq_pages=40) == 4 * 16 + 1
+
+
 def test_utilization_and_explicit_kv_cache_size():
     common = dict(device_bytes=100 * GIB, weight_bytes=10 * GIB, activation_bytes=2 * GIB,
                   page_bytes=GIB // 1024, page_size=16, model_max_len=8192)

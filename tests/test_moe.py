@@ -257,3 +257,14 @@ def test_quantized_experts_have_scales_of_their_own(tmp_path, recipe):
             for got, want in zip(jax.tree.leaves(jax.tree.map(lambda a: a[e], stacked)),
                                  jax.tree.leaves(alone)):
                 np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"{proj} {e}")
+
+
+def test_gpt_oss_tensor_parallel_is_refused_naming_why(tmp_path):
+    """Sinks and expert biases are not split over devices yet: refused before any weight
+    loads, never served with sinks summed N times."""
+    from model.sharding import TensorParallelError, check_size
+    tiny_hf_model("gpt_oss", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    check_size(cfg, 1)
+    with pytest.raises(TensorParallelError, match="attention sinks and expert biases"):
+        check_size(cfg, 2)

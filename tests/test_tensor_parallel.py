@@ -67,6 +67,9 @@ def models(tmp_path_factory):
     for family in ("qwen2_moe", "qwen3_moe"):
         made[family] = root / family
         tiny_hf_model(family, made[family], seed=1)
+    # window and full layers, soft-caps, sandwich norms, a vocabulary padded at TP=4
+    made["gemma2"] = root / "gemma2"
+    tiny_hf_model("gemma2", made["gemma2"], seed=1, **SHAPES)
     return made
 
 
@@ -104,6 +107,8 @@ def cases(models, demo_checkpoint) -> dict:
         "qwen3-moe-int8-expert-parallel": dict(
             model=str(models["qwen3_moe"]), sizes=[1, 2], kv_heads=1,
             options=dict(cpu, quantize="int8", enable_expert_parallel=True)),
+        "gemma2": dict(model=str(models["gemma2"]), sizes=[1, 4],
+                       options=dict(cpu, quantize="none"), kv_heads=1),
         # 9 heads, 3 KV heads; TP=1 is the session's shared demo engine (tests/demo_engine.py,
         # its checkpoint as converted), which other modules reuse.
         "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
@@ -136,7 +141,7 @@ def results(models, demo_checkpoint, tmp_path_factory):
 
 CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
          "llama-gguf", "llama-lora", "llama-int4-lora", "qwen2-moe", "qwen2-moe-expert-parallel",
-         "qwen3-moe-int8-expert-parallel", "demo")
+         "qwen3-moe-int8-expert-parallel", "gemma2", "demo")
 
 
 def demo_tp1(checkpoint) -> dict:

@@ -24,6 +24,16 @@ def common_window(windows: Sequence[int]) -> int:
     return max(windows)
 
 
+def request_pages(window: int, step_tokens: int, page_size: int) -> int:
+    """The most pages one request holds at once on a window model (0: no window). A step of
+    T tokens from position c needs the keys c - W + 1 .. c + T - 1, W - 1 + T positions,
+    which touch at most cdiv(W - 1 + T, page_size) + 1 pages; T is at most the step budget,
+    proposed tokens included."""
+    if window <= 0:
+        return 0
+    return cdiv(window - 1 + step_tokens, page_size) + 1
+
+
 def num_skipped_pages(num_computed_tokens: int, window: int, page_size: int) -> int:
     """Leading pages no future query reads: the first one is at num_computed_tokens and sees
     keys from num_computed_tokens - window + 1 on, so a page whose last position is below

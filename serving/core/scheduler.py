@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
+from serving.core.kv_window import request_pages
 from serving.core.request import Request, RequestStatus
 from serving.core.request_checks import RequestRefused, fit_max_tokens, fit_pooling_prompt
 from serving.core.spec_decode import SpecDecodeStats, check_verified, num_drafts
@@ -121,14 +122,9 @@ class Scheduler:
                                  f"{self.allocator.num_usable_pages}", param="prompt")
 
     def window_pages(self) -> int:
-        """On a window model, the most pages one request holds at once (0: no window). A
-        step of T tokens from position c needs the keys c - W + 1 .. c + T - 1, W - 1 + T
-        positions, which touch at most cdiv(W - 1 + T, page_size) + 1 pages; T is at most
-        the step budget, proposed tokens included."""
+        """On a window model, the most pages one request holds at once (0: no window)."""
         cfg = self.config
-        if not cfg.sliding_window:
-            return 0
-        return cdiv(cfg.sliding_window - 1 + cfg.max_num_batched_tokens, cfg.page_size) + 1
+        return request_pages(cfg.sliding_window, cfg.max_num_batched_tokens, cfg.page_size)
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        reason: int | str | None = None) -> None:

@@ -40,7 +40,7 @@ from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
                                    disable_jax_compilation_cache)
 from serving.core.sampling_params import SamplingParams
-from serving.core.kv_window import common_window
+from serving.core.kv_window import common_window, request_pages
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
@@ -139,12 +139,16 @@ class LLMEngine:
         del params
         self.lora = start_lora(ec, self.runner, self.task) if ec.enable_lora else None
         self.memory_plan = None
+        # A draft model reads its own K/V on the target's pages from position 0 on
+        # (core/draft_proposer.py), so with one no page goes back early.
+        window = 0 if self.draft else common_window(self.cfg.sliding_windows)
+        seq_pages = request_pages(window, self.max_num_batched_tokens, ec.page_size)
         limit = mesh.gpu_memory_limit(self.placement)
         if limit:
             self.memory_plan = sizing.gpu_plan(
                 ec, self.cfg, page_bytes,
                 self.device_weight_bytes() + (self.draft.weight_bytes if self.draft else 0),
-                limit, self._activation_peak)
+                limit, self._activation_peak, seq_pages)
             log.info("%s", self.memory_plan.describe())
             self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
                                                   self.memory_plan.num_pages)
@@ -152,7 +156,7 @@ class LLMEngine:
             self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
             kv_dtype = self.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
             self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, kv_dtype,
-                                              devices=self.placement.size)
+                                              devices=self.placement.size, seq_pages=seq_pages)
         if self.cluster is not None:
             self.max_model_len, self.num_pages = multiprocess.agree(self.max_model_len,
                                                                     self.num_pages)
@@ -163,10 +167,7 @@ class LLMEngine:
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
             model_key=model_key(self.model_dir, ec),
-            max_loras=self.lora.config.max_loras if self.lora else 0,
-            # A draft model reads its own K/V on the target's pages from position 0 on
-            # (core/draft_proposer.py), so with one no page goes back early.
-            sliding_window=0 if self.draft else common_window(self.cfg.sliding_windows)))
+            max_loras=self.lora.config.max_loras if self.lora else 0, sliding_window=window))
         self.runner.allocate_kv_cache(self.num_pages)
         if self.placement.size > 1:
             mesh.log_devices(self.placement, self.runner.params, self.runner.cache)

@@ -39,6 +39,7 @@ class MemoryPlan:
     page_size: int
     num_pages: int  # pages allocated, the sink page 0 included
     max_model_len: int
+    seq_pages: int = 0  # window model: the most pages a request holds; 0: no bound
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -51,7 +52,8 @@ class MemoryPlan:
     @property
     def max_concurrency(self) -> float:
         """Sequences of max_model_len tokens the cache holds at once."""
-        return (self.num_pages - 1) / -(-self.max_model_len // self.page_size)
+        return (self.num_pages - 1) / sequence_pages(self.max_model_len, self.page_size,
+                                                     self.seq_pages)
 
     def describe(self) -> str:
         return (f"memory plan: device {self.device_bytes / GIB:.1f} GiB, budget "
@@ -63,16 +65,24 @@ class MemoryPlan:
                 f"at once)")
 
 
+def sequence_pages(max_len: int, page_size: int, seq_pages: int = 0) -> int:
+    """Pages one sequence of max_len tokens holds at once: all of them, or on a window model
+    at most seq_pages (the pages behind the window go back as it grows)."""
+    pages = -(-max_len // page_size)
+    return min(pages, seq_pages) if seq_pages else pages
+
+
 def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
                 page_bytes: int, page_size: int, model_max_len: int,
                 max_model_len: int | None = None,
                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                kv_cache_memory: int | None = None) -> MemoryPlan:
+                kv_cache_memory: int | None = None, seq_pages: int = 0) -> MemoryPlan:
     """The split of one device's memory; raises MemoryPlanError (before anything large is
     allocated) when the model, or one sequence of the requested length, does not fit.
 
     max_model_len None: the model's whole context (model_max_len) if the cache holds one
-    sequence of it, else the longest whole number of pages it does hold."""
+    sequence of it, else the longest whole number of pages it does hold. seq_pages: on a
+    window model, the most pages a request holds however long it grows; 0: no bound."""
     if not 0 < gpu_memory_utilization <= 1:
         raise MemoryPlanError(f"gpu_memory_utilization must be in (0, 1], got "
                               f"{gpu_memory_utilization}")
@@ -97,18 +107,21 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
             "--max-num-batched-tokens, or raise --gpu-memory-utilization")
     num_pages = kv // page_bytes  # the sink included
     usable_tokens = (num_pages - 1) * page_size
+    fits = lambda n: sequence_pages(n, page_size, seq_pages) <= num_pages - 1
     if max_model_len is None:
-        max_len = min(model_max_len, usable_tokens)
+        max_len = model_max_len if fits(model_max_len) else usable_tokens
     else:
-        if max_model_len > usable_tokens:
+        if not fits(max_model_len):
             raise MemoryPlanError(
-                f"max_model_len {max_model_len} needs {-(-max_model_len // page_size)} KV pages, "
+                f"max_model_len {max_model_len} needs "
+                f"{sequence_pages(max_model_len, page_size, seq_pages)} KV pages, "
                 f"but the cache holds {num_pages - 1} ({kv / GIB:.2f} GiB, {usable_tokens} "
                 "tokens); lower --max-model-len or raise --gpu-memory-utilization")
         max_len = max_model_len
     return MemoryPlan(device_bytes=device_bytes, budget_bytes=budget, weight_bytes=weight_bytes,
                       activation_bytes=activation_bytes, page_bytes=page_bytes,
-                      page_size=page_size, num_pages=int(num_pages), max_model_len=int(max_len))
+                      page_size=page_size, num_pages=int(num_pages), max_model_len=int(max_len),
+                      seq_pages=seq_pages)
 
 
 def configure_xla_allocator(gpu_memory_utilization: float, environ=os.environ) -> float:

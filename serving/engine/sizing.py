@@ -85,16 +85,19 @@ def kv_cache_memory(ec: EngineConfig) -> int | None:
 
 
 def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: int,
-             allocator_limit: int, activation_peak) -> memory_plan.MemoryPlan:
+             allocator_limit: int, activation_peak, seq_pages: int = 0
+             ) -> memory_plan.MemoryPlan:
     """The GPU memory plan. activation_peak(max_model_len) -> bytes of the largest step's
-    temporaries for that context (compiled, not run)."""
+    temporaries for that context (compiled, not run). seq_pages: on a window model, the
+    most pages a request holds however long (core/kv_window.request_pages); 0: no bound."""
     longest = max_model_len(cfg, ec.max_model_len, cap=None)
     peak = activation_peak(longest)
     plan = memory_plan.plan_memory(
         device_bytes=memory_plan.device_total_bytes(allocator_limit),
         weight_bytes=weight_bytes, activation_bytes=peak, page_bytes=page_bytes,
         page_size=ec.page_size, model_max_len=longest, max_model_len=ec.max_model_len,
-        gpu_memory_utilization=ec.gpu_memory_utilization, kv_cache_memory=kv_cache_memory(ec))
+        gpu_memory_utilization=ec.gpu_memory_utilization, kv_cache_memory=kv_cache_memory(ec),
+        seq_pages=seq_pages)
     used = plan.weight_bytes + plan.activation_bytes + plan.kv_cache_bytes
     if used > allocator_limit:
         raise memory_plan.MemoryPlanError(
@@ -120,15 +123,16 @@ def available_memory() -> int | None:
 
 
 def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str = "",
-              devices: int = 1) -> int:
+              devices: int = 1, seq_pages: int = 0) -> int:
     """Off-GPU: pages (sink included) for kv_cache_memory bytes, or by default for
     max_num_seqs full sequences, at most CPU_KV_MEMORY_FRACTION of the memory available
     (after the weights loaded); at least one full sequence. Logs the size and why.
 
     devices: tensor parallel, the devices sharing the host's memory; bytes_per_page and
-    kv_cache_memory are then one device's, the memory available is split between them."""
+    kv_cache_memory are then one device's, the memory available is split between them.
+    seq_pages: on a window model, the most pages a request holds however long it grows."""
     budget = kv_cache_memory(ec)
-    per_seq = -(-max_len // ec.page_size)
+    per_seq = memory_plan.sequence_pages(max_len, ec.page_size, seq_pages)
     if budget is not None:
         why = "kv_cache_memory"
     else:
@@ -145,8 +149,8 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
     if pages < per_seq:
         raise ValueError(f"a KV cache of {int(budget) >> 20} MiB holds {pages} pages of "
                          f"{ec.page_size} tokens, fewer than one sequence of max_model_len "
-                         f"{max_len} needs ({per_seq}); raise kv_cache_memory or lower "
-                         "max_model_len")
+                         f"{max_len} holds at once ({per_seq}); raise kv_cache_memory or "
+                         "lower max_model_len")
     log.info("KV cache%s: %.2f GiB%s, %d pages of %d tokens (%d full sequences), for %s",
              f" ({kv_dtype})" if kv_dtype else "", pages * bytes_per_page / GIB,
              f" on each of {devices} devices" if devices > 1 else "", pages, ec.page_size,
