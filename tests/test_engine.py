@@ -31,7 +31,12 @@ TINY_OPTIONS = dict(max_num_seqs=16, max_model_len=96, max_num_batched_tokens=32
                     token_buckets=(4, 16, 32), request_buckets=(4, 16), page_buckets=(8, 24),
                     progress=False)
 # Few pages, so a batch of long requests runs out and preempts; one request alone fits.
+# PREEMPT_PAGES is for full attention (a draft model keeps every page); the tiny model's
+# window of 7 gives pages back as requests decode, so it holds about three pages a request
+# and preempts with fewer: WINDOW_PREEMPT_PAGES, one more than the 11 a request may hold at
+# once (core/kv_window.request_pages).
 PREEMPT_PAGES = 20
+WINDOW_PREEMPT_PAGES = 12
 PREEMPT_OPTIONS = dict(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32, page_size=4,
                        token_buckets=(8, 32), request_buckets=(8,), page_buckets=(16,),
                        progress=False)
@@ -82,7 +87,8 @@ def tiny_small_cache(tiny_model):
     from model.config import ModelConfig
     cfg = ModelConfig.from_dir(tiny_model[1])
     page = bytes_per_page(cfg, PREEMPT_OPTIONS["page_size"])
-    return LLM(str(tiny_model[1]), kv_cache_memory=PREEMPT_PAGES * page, **PREEMPT_OPTIONS)
+    return LLM(str(tiny_model[1]), kv_cache_memory=WINDOW_PREEMPT_PAGES * page,
+               **PREEMPT_OPTIONS)
 
 
 def alone(llm: LLM, prompts, params) -> list[list[int]]:
