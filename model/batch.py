@@ -1,7 +1,7 @@
 """Batch: the flat, bucket-padded description of one step that crosses to the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -18,6 +18,15 @@ class Batch:
     logits_indices: jax.Array  # int32[R] tokens whose logits are computed (one per request)
     # int32[T] each token's LoRA slot (model/lora.py; -1: none); None: LoRA off
     lora_slots: jax.Array | None = None
+    # A hybrid model's window layers (model/kv_groups.py): their own page table and the
+    # slots this step writes there; None: every layer uses page_table and slot_mapping.
+    window_page_table: jax.Array | None = None  # int32[B, pages_per_req]
+    window_slot_mapping: jax.Array | None = None  # int32[T]
+
+    def window_view(self) -> "Batch":
+        """The batch as a window layer of a hybrid model reads it."""
+        return replace(self, page_table=self.window_page_table,
+                       slot_mapping=self.window_slot_mapping)
 
 
 def sequences_batch(tokens: list[list[int]], page_table: np.ndarray, page_size: int,

@@ -5,12 +5,13 @@ vector with its own float32 absmax scale in `k_scale` / `v_scale`: real value = 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model.kv_groups import num_group_layers
 from quant.array import quantize
 
 # kv_cache_dtype (one of KV_CACHE_DTYPES) -> storage dtype; "auto" (or None) stores K/V in
@@ -36,6 +37,9 @@ class KVCache:
     v: jax.Array  # [L, P, page_size, K, D]
     k_scale: jax.Array | None = None  # float32[L, P, page_size, K] when k/v are int8 / fp8
     v_scale: jax.Array | None = None
+    # A hybrid model's window layers (model/kv_groups.py): their own cache, on pages of
+    # their own; then k / v above hold the full-attention layers only. None: one cache.
+    window: "KVCache | None" = None
 
     @property
     def num_pages(self) -> int:
@@ -45,14 +49,31 @@ class KVCache:
     def page_size(self) -> int:
         return self.k.shape[2]
 
+    def without_window(self) -> "KVCache":
+        return KVCache(self.k, self.v, self.k_scale, self.v_scale)
+
     @staticmethod
-    def shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-        return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    def shape(cfg: ModelConfig, num_pages: int, page_size: int,
+              num_layers: int | None = None) -> tuple[int, ...]:
+        layers = cfg.num_layers if num_layers is None else num_layers
+        return (layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> "KVCache":
-        """dtype: a kv_cache_dtype ("auto", "int8", "fp8") or a dtype; None: cfg.dtype."""
-        shape = cls.shape(cfg, num_pages, page_size)
+    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
+              window_pages: int = 0) -> "KVCache":
+        """dtype: a kv_cache_dtype ("auto", "int8", "fp8") or a dtype; None: cfg.dtype.
+        window_pages > 0 (a hybrid model): the window layers get a cache of that many pages
+        of their own, and num_pages are the full-attention layers'."""
+        if window_pages:
+            full, window = num_group_layers(cfg)
+            return replace(cls._zeros(cfg, num_pages, page_size, dtype, full),
+                           window=cls._zeros(cfg, window_pages, page_size, dtype, window))
+        return cls._zeros(cfg, num_pages, page_size, dtype, cfg.num_layers)
+
+    @classmethod
+    def _zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+               num_layers: int) -> "KVCache":
+        shape = cls.shape(cfg, num_pages, page_size, num_layers)
         dtype, quantized = kv_storage_dtype(cfg, dtype)
         if not quantized:
             return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -60,11 +81,14 @@ class KVCache:
                    jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None) -> int:
-    """K and V bytes of one page over all layers, scales included. dtype as in zeros."""
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None,
+                   num_layers: int | None = None) -> int:
+    """K and V bytes of one page over all layers (or num_layers of them), scales included.
+    dtype as in zeros."""
     dtype, quantized = kv_storage_dtype(cfg, dtype)
     scale_bytes = cfg.num_kv_heads * 4 if quantized else 0
-    return 2 * cfg.num_layers * page_size * (cfg.kv_size * dtype.itemsize + scale_bytes)
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * page_size * (cfg.kv_size * dtype.itemsize + scale_bytes)
 
 
 def write_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:

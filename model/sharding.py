@@ -284,12 +284,14 @@ def cache_config(cfg: ModelConfig, n: int) -> ModelConfig:
     return replace(cfg, num_kv_heads=local_kv_heads(cfg, n) * n)
 
 
-def cache_specs(quantized: bool) -> KVCache:
-    return KVCache(KV_SPEC, KV_SPEC, *((KV_SPEC, KV_SPEC) if quantized else (None, None)))
+def cache_specs(quantized: bool, window: bool = False) -> KVCache:
+    """window: with a hybrid model's window layers' cache (model/kv_groups.py), split alike."""
+    specs = KVCache(KV_SPEC, KV_SPEC, *((KV_SPEC, KV_SPEC) if quantized else (None, None)))
+    return replace(specs, window=cache_specs(quantized)) if window else specs
 
 
-def cache_shardings(mesh, quantized: bool) -> KVCache:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(quantized))
+def cache_shardings(mesh, quantized: bool, window: bool = False) -> KVCache:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(quantized, window))
 
 
 def embed_vocab_parallel(table, ids, dtype, axis: str):

@@ -18,6 +18,7 @@ from model.attention import paged_attention
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
+from model.kv_groups import kv_layers, layer_windows
 from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
@@ -32,7 +33,8 @@ class Attention(nn.Module):
     axis: str | None = None  # tensor parallel: the mesh axis o_proj's partial sums meet on
 
     @nn.compact
-    def __call__(self, x, cache: KVCache, layer, window, batch: Batch):
+    def __call__(self, x, cache: KVCache, layer, window, batch: Batch, kv_layer):
+        """layer: the model's layer; kv_layer: its index in `cache` (model/kv_groups.py)."""
         cfg = self.cfg
         T = x.shape[0]
         sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
@@ -54,12 +56,12 @@ class Attention(nn.Module):
         inv_freq, factor = rope_inv_freq(cfg, layer), rope_attention_factor(cfg, layer)
         q = apply_rope(q, batch.positions, inv_freq, factor)
         k = apply_rope(k, batch.positions, inv_freq, factor)
-        cache = write_kv(cache, layer, k, v, batch.slot_mapping)
+        cache = write_kv(cache, kv_layer, k, v, batch.slot_mapping)
         sinks = None
         if cfg.attn_sinks:  # gpt-oss: one learned logit per query head
             sinks = self.param("sinks", nn.initializers.normal(0.02), (cfg.num_heads,),
                                cfg.dtype).astype(jnp.float32)
-        out = paged_attention(q, cache, layer, batch, window, cfg.attn_scale, self.backend,
+        out = paged_attention(q, cache, kv_layer, batch, window, cfg.attn_scale, self.backend,
                               sinks=sinks, soft_cap=cfg.attn_soft_cap)
         out = Linear(cfg.hidden_size, cfg.o_bias, cfg.dtype, name="o_proj")(
             out.reshape(T, cfg.q_size))
@@ -72,11 +74,12 @@ class DecoderLayer(nn.Module):
     axis: str | None = None
 
     @nn.compact
-    def __call__(self, x, cache: KVCache, layer: int, window, batch: Batch):
+    def __call__(self, x, cache: KVCache, layer: int, window, batch: Batch,
+                 kv_layer: int | None = None):
         cfg = self.cfg
         h = norm(cfg, "input_norm")(x)
         attn = Attention(cfg, self.backend, self.axis, name="attn")
-        h, cache = attn(h, cache, layer, window, batch)
+        h, cache = attn(h, cache, layer, window, batch, layer if kv_layer is None else kv_layer)
         if cfg.sandwich_norms:
             # Gemma: config.json's post_attention_layernorm norms the attention's output, a
             # pre_feedforward norm feeds the MLP and a post_feedforward norm its output.
@@ -120,15 +123,25 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
     if cfg.scale_embed:  # Gemma: the scale rounded to the dtype first, as transformers does
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, cfg.dtype)
     layer = DecoderLayer(cfg, backend, axis)
-    windows = cfg.sliding_windows or (0,) * cfg.num_layers
+    windows = layer_windows(cfg)
     routing = None
     if lora_slots is not None:
         routing = lora.route(batch.lora_slots, jax.tree.leaves(lora_slots)[0].shape[0])
-    for i in range(cfg.num_layers):
+    # A hybrid model's window layers read and write their own cache through their own page
+    # table (model/kv_groups.py); the others, and every layer of a one-part cache, the main.
+    window_cache, cache = cache.window, cache.without_window()
+    window_batch = batch.window_view() if window_cache is not None else None
+    for i, (in_window, j) in enumerate(kv_layers(cfg, window_cache is not None)):
         variables = {"params": params["layers"][i]}
         if routing is not None:
             variables["lora"] = lora.layer_variables(lora_slots[i], routing)
-        x, cache = layer.apply(variables, x, cache, i, jnp.int32(windows[i]), batch)
+        w = jnp.int32(windows[i])
+        if in_window:
+            x, window_cache = layer.apply(variables, x, window_cache, i, w, window_batch, j)
+        else:
+            x, cache = layer.apply(variables, x, cache, i, w, batch, j)
+    if window_cache is not None:
+        cache = replace(cache, window=window_cache)
     return x, cache
 
 

@@ -86,6 +86,32 @@ def test_a_window_model_plans_for_the_pages_a_request_holds():
         plan_memory(**common, max_model_len=20000, seq_pages=1100)
 
 
+def test_a_hybrid_model_takes_its_window_pool_out_of_the_kv_memory_first(monkeypatch):
+    """A hybrid model (docs/architecture.md, "Sliding windows and hybrid KV"): the window
+    layers' pool comes first, sized for max_num_seqs windows, or half the KV memory where
+    that is less; the full-attention layers get the rest, on a GPU and off it."""
+    from serving.core.config import EngineConfig
+    from serving.engine import sizing
+    from serving.engine.kv_pools import WindowPool
+    pool = WindowPool(window=512, page_size=16, step_tokens=512, max_num_seqs=8,
+                      page_bytes=1 << 20, full_page_bytes=1 << 19)
+    wanted = 8 * (32 + 2) + 32 + 1
+    assert pool.wanted_pages == wanted
+    common = dict(device_bytes=10 * GIB, weight_bytes=8 * GIB, activation_bytes=0,
+                  page_bytes=1 << 19, page_size=16, model_max_len=1 << 16)
+    plan = plan_memory(**common, window=pool)  # 0.9 x 10 - 8 = 1 GiB of KV: fits in half
+    assert plan.window_pages == wanted
+    assert plan.num_pages == (GIB - wanted * (1 << 20)) // (1 << 19)
+    assert plan.kv_cache_bytes <= GIB and "window layers' pool" in plan.describe()
+    small = plan_memory(**common, window=pool, kv_cache_memory=256 << 20)
+    assert small.window_pages == 128 and small.num_pages == 256  # half each
+    monkeypatch.setattr(sizing, "available_memory", lambda: 64 * GIB)
+    ec = EngineConfig(max_num_seqs=8, page_size=16)
+    full, window = sizing.num_pages_hybrid(ec, 1 << 19, pool, 2048)
+    assert (full, window) == (8 * 128 + 1, wanted)
+    assert sizing.num_pages_hybrid(ec, 1 << 19, None, 2048) == (8 * 128 + 1, 0)
+
+
 def test_cpu_cache_for_a_window_model_holds_what_its_requests_hold(monkeypatch):
     """Off-GPU, the default cache is max_num_seqs requests' worth of pages: on a window
     model the window's pages, not the whole context's."""
@@ -186,9 +212,9 @@ def _gpu_like_engine(tiny_dir, monkeypatch, limit, **options):
             allocated.append(args[1])
         return cache
 
-    def allocating(runner, num_pages):
+    def allocating(runner, num_pages, window_pages=0):
         allocated.append(num_pages)
-        return allocate(runner, num_pages)
+        return allocate(runner, num_pages, window_pages)
 
     monkeypatch.setattr(KVCache, "zeros", classmethod(recording))
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocating)

@@ -54,15 +54,16 @@ class KVCacheManager:
         return (self.enable_caching and req.sampling_params.prompt_logprobs is None
                 and req.pooling_params is None)
 
-    def get_computed_pages(self, req: Request) -> list[int]:
+    def get_computed_pages(self, req: Request, max_pages: int | None = None) -> list[int]:
         """The cached pages holding req's leading tokens, in whole pages: the longest run
         of hits, or on a window model the longest hit whose last pages (those the first
         computed token reads) are cached, earlier entries SINK_PAGE. At most
-        num_tokens - 1 tokens: the last one is always computed, for its logits. Only for a
-        request that holds no pages; changes nothing."""
+        num_tokens - 1 tokens (the last one is always computed, for its logits), and at
+        most max_pages pages. Only for a request that holds no pages; changes nothing."""
         if self._pages.get(req.request_id) or not self.reads_cache(req):
             return []
-        max_pages = (req.num_tokens - 1) // self.page_size
+        limit = (req.num_tokens - 1) // self.page_size
+        max_pages = limit if max_pages is None else min(max_pages, limit)
         hashes = self._request_hashes(req, max_pages)[:max_pages]
         if self.sliding_window:
             return window_hit(hashes, self.allocator.lookup, self.sliding_window,
@@ -87,13 +88,10 @@ class KVCacheManager:
                                != len(computed_pages) * self.page_size):
             raise ValueError("a cache hit only starts a request's page table")
         self.remove_skipped_pages(req)
-        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.page_size)
-        missing = max(needed - len(pages) - len(computed_pages), 0)
-        hit = _held(computed_pages)
-        # Hit pages sitting in the free queue leave it, so they count against what is free.
-        revived = sum(1 for p in hit if self.allocator.ref_count(p) == 0)
-        if missing + revived > self.allocator.num_free_pages:
+        if not self.can_allocate(req, num_new_tokens, computed_pages):
             return False
+        missing = self._missing(req, num_new_tokens, computed_pages)
+        hit = _held(computed_pages)
         if not pages and self.reads_cache(req):
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += len(computed_pages) * self.page_size
@@ -103,6 +101,20 @@ class KVCacheManager:
             self._num_skipped[req.request_id] = len(computed_pages) - len(hit)
         self._pages[req.request_id] = pages + computed_pages + self.allocator.allocate(missing)
         return True
+
+    def can_allocate(self, req: Request, num_new_tokens: int,
+                     computed_pages: list[int] | None = None) -> bool:
+        """Whether allocate_slots would succeed now (after remove_skipped_pages)."""
+        # Hit pages sitting in the free queue leave it, so they count against what is free.
+        revived = sum(1 for p in _held(computed_pages or [])
+                      if self.allocator.ref_count(p) == 0)
+        return (self._missing(req, num_new_tokens, computed_pages) + revived
+                <= self.allocator.num_free_pages)
+
+    def _missing(self, req: Request, num_new_tokens: int, computed_pages) -> int:
+        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.page_size)
+        held = len(self._pages.get(req.request_id, [])) + len(computed_pages or [])
+        return max(needed - held, 0)
 
     def remove_skipped_pages(self, req: Request) -> None:
         """On a window model, gives back req's leading pages that no query from

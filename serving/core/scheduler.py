@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
+from serving.core.kv_hybrid import HybridKVCacheManager
 from serving.core.kv_window import request_pages
 from serving.core.request import Request, RequestStatus
 from serving.core.request_checks import RequestRefused, fit_max_tokens, fit_pooling_prompt
@@ -28,6 +29,10 @@ class SchedulerConfig:
     # The window every layer attends within (core/kv_window.py: common_window); 0: some
     # layer attends fully. Above 0, pages behind the window go back as a request advances.
     sliding_window: int = 0
+    # A hybrid model (model/kv_groups.py): its window layers' window, and the pages
+    # (sink included) of their own pool; 0: one page table for every layer.
+    window_group: int = 0
+    window_num_pages: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -39,6 +44,13 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.sliding_window < 0:
             raise ValueError("sliding_window must be >= 0")
+        if self.window_group:
+            need = request_pages(self.window_group, self.max_num_batched_tokens,
+                                 self.page_size)
+            if self.sliding_window or self.window_num_pages < need + 1:
+                raise ValueError(f"the window layers' pool needs at least {need + 1} pages "
+                                 f"(one request's window and step), got "
+                                 f"{self.window_num_pages}")
 
 
 @dataclass
@@ -50,6 +62,8 @@ class ScheduledRequest:
     token_ids: list[int]
     samples: bool  # the chunk ends at the last known token: its sampled token is a real output
     page_ids: list[int] = field(default_factory=list)  # snapshot of the request's page table
+    # A hybrid model's window layers' page table (core/kv_hybrid.py); None: one table
+    window_page_ids: list[int] | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens it verifies
 
     @property
@@ -74,9 +88,14 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv_cache_manager = KVCacheManager(config.num_pages, config.page_size,
-                                               config.enable_prefix_caching, config.model_key,
-                                               config.sliding_window)
+        if config.window_group:
+            self.kv_cache_manager = HybridKVCacheManager(
+                config.num_pages, config.window_num_pages, config.page_size,
+                config.window_group, config.enable_prefix_caching, config.model_key)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                config.num_pages, config.page_size, config.enable_prefix_caching,
+                config.model_key, config.sliding_window)
         self.allocator = self.kv_cache_manager.allocator
         self.waiting: deque[Request] = deque()
         # Admission is FCFS and preemption takes the newest, so every running request arrived
@@ -253,7 +272,13 @@ class Scheduler:
                                 token_ids=req.slice_token_ids(start, start + n) + list(spec),
                                 samples=start + n == req.num_tokens,
                                 page_ids=list(self.kv_cache_manager.page_ids(req.request_id)),
+                                window_page_ids=self._window_page_ids(req),
                                 spec_token_ids=list(spec))
+
+    def _window_page_ids(self, req: Request) -> list[int] | None:
+        if not self.config.window_group:
+            return None
+        return list(self.kv_cache_manager.window_page_ids(req.request_id))
 
     # -- update -----------------------------------------------------------------------------
 

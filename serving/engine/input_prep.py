@@ -92,17 +92,12 @@ def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_si
     offsets = np.cumsum(counts) - counts  # each request's first token in the step
     pos = (np.arange(n, dtype=np.int32) - np.repeat(offsets, counts)
            + np.repeat(np.array([s.start for s in sched], np.int32), counts))
-    page_table = np.zeros((R, P), np.int32)
-    widths = np.array([len(s.page_ids) for s in sched], np.int32)
-    page_table[np.repeat(np.arange(len(sched)), widths),
-               np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)] = \
-        [p for s in sched for p in s.page_ids]
+    page_table = _page_table([s.page_ids for s in sched], R, P)
     input_ids = np.zeros(T, np.int32)
     input_ids[:n] = [t for s in sched for t in s.token_ids]
     positions = np.zeros(T, np.int32)
     positions[:n] = pos
-    slots = np.full(T, SINK_SLOT, np.int32)
-    slots[:n] = page_table[req, pos // page_size] * page_size + pos % page_size
+    slots = _slots(page_table, req, pos, T, page_size)
     req_indices = np.full(T, R - 1, np.int32)
     req_indices[:n] = req
     # Sampled rows: a request verifying k proposed tokens has k + 1, at its last k + 1 tokens.
@@ -118,9 +113,31 @@ def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_si
     if any(s.spec_token_ids for s in sched):
         draft = np.array([t for s in sched for t in s.spec_token_ids + [-1]], np.int32)
         draft_ids[:m] = draft
-    return dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
-                draft_ids=draft_ids, row_start=row_start)
+    arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                  req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
+                  draft_ids=draft_ids, row_start=row_start)
+    if sched[0].window_page_ids is not None:  # a hybrid model's window layers
+        window_table = _page_table([s.window_page_ids for s in sched], R, P)
+        arrays.update(window_page_table=window_table,
+                      window_slot_mapping=_slots(window_table, req, pos, T, page_size))
+    return arrays
+
+
+def _page_table(tables: list[list[int]], R: int, P: int) -> np.ndarray:
+    page_table = np.zeros((R, P), np.int32)
+    widths = np.array([len(t) for t in tables], np.int32)
+    page_table[np.repeat(np.arange(len(tables)), widths),
+               np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)] = \
+        [p for t in tables for p in t]
+    return page_table
+
+
+def _slots(page_table: np.ndarray, req: np.ndarray, pos: np.ndarray, T: int,
+           page_size: int) -> np.ndarray:
+    """Each token's cache slot (page * page_size + offset); padding writes to the sink."""
+    slots = np.full(T, SINK_SLOT, np.int32)
+    slots[:len(pos)] = page_table[req, pos // page_size] * page_size + pos % page_size
+    return slots
 
 
 def _first_rows(sched: list[ScheduledRequest], R: int) -> list[int]:
@@ -135,14 +152,18 @@ def _rows(sched: list[ScheduledRequest]):
     return [(s, j) for s in sched for j in range(s.num_rows)]
 
 
-def padding_step(shape: tuple[int, int, int]) -> StepArrays:
-    """A step of the given shape made only of padding (for compiling it)."""
+def padding_step(shape: tuple[int, int, int], hybrid: bool = False) -> StepArrays:
+    """A step of the given shape made only of padding (for compiling it). hybrid: with the
+    window layers' page table too (model/kv_groups.py)."""
     T, R, P = shape
     batch = dict(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
                  logits_indices=np.zeros(R, np.int32), draft_ids=np.full(R, -1, np.int32),
                  row_start=np.arange(R, dtype=np.int32))
+    if hybrid:
+        batch.update(window_page_table=np.zeros((R, P), np.int32),
+                     window_slot_mapping=np.full(T, SINK_SLOT, np.int32))
     sampling = _sampling_arrays(SchedulerOutput(), R)
     sampling["any_masked"] = np.bool_(False)
     return StepArrays(shape, batch, sampling, False)

@@ -41,6 +41,7 @@ from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
                                    disable_jax_compilation_cache)
 from serving.core.sampling_params import SamplingParams
 from serving.core.kv_window import common_window, request_pages
+from serving.engine.kv_pools import WindowPool
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
@@ -143,32 +144,44 @@ class LLMEngine:
         # (core/draft_proposer.py), so with one no page goes back early.
         window = 0 if self.draft else common_window(self.cfg.sliding_windows)
         seq_pages = request_pages(window, self.max_num_batched_tokens, ec.page_size)
+        # A hybrid model's window layers on a pool of their own (model/kv_groups.py); not
+        # with a draft model (as above) nor over several processes.
+        pool = (None if self.draft or self.cluster is not None else WindowPool.of(
+            self.cfg, self.placement.model_cfg, ec.page_size, ec.kv_cache_dtype,
+            self.max_num_batched_tokens, ec.max_num_seqs))
+        if pool:
+            page_bytes = pool.full_page_bytes
+            self.runner.hybrid_kv = True
         limit = mesh.gpu_memory_limit(self.placement)
         if limit:
             self.memory_plan = sizing.gpu_plan(
                 ec, self.cfg, page_bytes,
                 self.device_weight_bytes() + (self.draft.weight_bytes if self.draft else 0),
-                limit, self._activation_peak, seq_pages)
+                limit, self._activation_peak, seq_pages, pool)
             log.info("%s", self.memory_plan.describe())
             self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
                                                   self.memory_plan.num_pages)
+            self.window_num_pages = self.memory_plan.window_pages
         else:
             self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
             kv_dtype = self.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
-            self.num_pages = sizing.num_pages(ec, page_bytes, self.max_model_len, kv_dtype,
-                                              devices=self.placement.size, seq_pages=seq_pages)
+            self.num_pages, self.window_num_pages = sizing.num_pages_hybrid(
+                ec, page_bytes, pool, self.max_model_len, kv_dtype,
+                devices=self.placement.size, seq_pages=seq_pages)
         if self.cluster is not None:
             self.max_model_len, self.num_pages = multiprocess.agree(self.max_model_len,
                                                                     self.num_pages)
         self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
                                       self.attention_backend)
-        self.kv_cache_bytes = self.num_pages * page_bytes * self.placement.size
+        self.kv_cache_bytes = (self.num_pages * page_bytes + (
+            pool.bytes(self.window_num_pages) if pool else 0)) * self.placement.size
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
             model_key=model_key(self.model_dir, ec),
-            max_loras=self.lora.config.max_loras if self.lora else 0, sliding_window=window))
-        self.runner.allocate_kv_cache(self.num_pages)
+            max_loras=self.lora.config.max_loras if self.lora else 0, sliding_window=window,
+            window_group=pool.window if pool else 0, window_num_pages=self.window_num_pages))
+        self.runner.allocate_kv_cache(self.num_pages, self.window_num_pages)
         if self.placement.size > 1:
             mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
@@ -214,13 +227,14 @@ class LLMEngine:
         b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens,
                            self.attention_backend)
         largest = max(all_step_shapes(b, self.config.max_num_seqs))
-        return self.runner.activation_peak_bytes(padding_step(largest))
+        return self.runner.activation_peak_bytes(padding_step(largest, self.runner.hybrid_kv))
 
     def warmup(self) -> WarmupReport:
         """Loads or compiles every program, then runs one step (its first run allocates
         what later steps reuse, and a program that cannot run fails here, before /health
         says 200). Records the phases in `timings`."""
-        report = self.runner.warmup([padding_step(s) for s in self.step_shapes],
+        report = self.runner.warmup([padding_step(s, self.runner.hybrid_kv)
+                                     for s in self.step_shapes],
                                     self.config.progress)
         if self.draft:  # counted with the others
             draft = self.draft.warmup(workers=os.cpu_count() or 1)
@@ -235,7 +249,8 @@ class LLMEngine:
         self.warmup_report = report
         self.timings["compile/load"] = report.wall
         started = time.perf_counter()
-        self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0])))
+        self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0],
+                                                            self.runner.hybrid_kv)))
         self.timings["first step"] = time.perf_counter() - started
         if self.cluster is not None and self.cluster.is_leader:  # from now on, steps are sent
             self.runner.step_sink = self.cluster.send_step

@@ -40,10 +40,14 @@ class MemoryPlan:
     num_pages: int  # pages allocated, the sink page 0 included
     max_model_len: int
     seq_pages: int = 0  # window model: the most pages a request holds; 0: no bound
+    # A hybrid model (serving/engine/kv_pools.py): the window layers' pool, sink included;
+    # page_bytes and num_pages are then the full-attention layers'
+    window_pages: int = 0
+    window_page_bytes: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.page_bytes + self.window_pages * self.window_page_bytes
 
     @property
     def kv_tokens(self) -> int:
@@ -62,7 +66,8 @@ class MemoryPlan:
                 f"{self.kv_cache_bytes / GIB:.2f} GiB ({self.num_pages - 1} pages of "
                 f"{self.page_size} tokens = {self.kv_tokens} tokens; "
                 f"{self.max_concurrency:.2f} sequences of max_model_len {self.max_model_len} "
-                f"at once)")
+                f"at once)" + (f"; of it the window layers' pool {self.window_pages - 1} pages"
+                               if self.window_pages else ""))
 
 
 def sequence_pages(max_len: int, page_size: int, seq_pages: int = 0) -> int:
@@ -76,13 +81,16 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
                 page_bytes: int, page_size: int, model_max_len: int,
                 max_model_len: int | None = None,
                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                kv_cache_memory: int | None = None, seq_pages: int = 0) -> MemoryPlan:
+                kv_cache_memory: int | None = None, seq_pages: int = 0,
+                window=None) -> MemoryPlan:
     """The split of one device's memory; raises MemoryPlanError (before anything large is
     allocated) when the model, or one sequence of the requested length, does not fit.
 
     max_model_len None: the model's whole context (model_max_len) if the cache holds one
     sequence of it, else the longest whole number of pages it does hold. seq_pages: on a
-    window model, the most pages a request holds however long it grows; 0: no bound."""
+    window model, the most pages a request holds however long it grows; 0: no bound.
+    window: a hybrid model's window-layer pool (serving/engine/kv_pools.WindowPool), taken
+    out of the KV cache's share first; page_bytes is then the full-attention layers'."""
     if not 0 < gpu_memory_utilization <= 1:
         raise MemoryPlanError(f"gpu_memory_utilization must be in (0, 1], got "
                               f"{gpu_memory_utilization}")
@@ -98,6 +106,8 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
         budget = fixed + kv
     else:
         kv = budget - fixed
+    window_pages = window.pages_within(kv) if window is not None and kv > 0 else 0
+    kv -= window.bytes(window_pages) if window_pages else 0
     if kv < 2 * page_bytes:  # the sink and one usable page
         raise MemoryPlanError(
             f"the model does not fit: weights {weight_bytes / GIB:.2f} GiB + activation peak "
@@ -121,7 +131,8 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
     return MemoryPlan(device_bytes=device_bytes, budget_bytes=budget, weight_bytes=weight_bytes,
                       activation_bytes=activation_bytes, page_bytes=page_bytes,
                       page_size=page_size, num_pages=int(num_pages), max_model_len=int(max_len),
-                      seq_pages=seq_pages)
+                      seq_pages=seq_pages, window_pages=window_pages,
+                      window_page_bytes=window.page_bytes if window_pages else 0)
 
 
 def configure_xla_allocator(gpu_memory_utilization: float, environ=os.environ) -> float:

@@ -44,11 +44,14 @@ class SingleDevice:
         return prepare_params(params, free_stacked=free_stacked)
 
 
-    def zeros_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
-        return KVCache.zeros(self.cfg, num_pages, page_size, dtype)
+    def zeros_cache(self, num_pages: int, page_size: int, dtype,
+                    window_pages: int = 0) -> KVCache:
+        return KVCache.zeros(self.cfg, num_pages, page_size, dtype, window_pages)
 
-    def abstract_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
-        return jax.eval_shape(lambda: KVCache.zeros(self.cfg, num_pages, page_size, dtype))
+    def abstract_cache(self, num_pages: int, page_size: int, dtype,
+                       window_pages: int = 0) -> KVCache:
+        return jax.eval_shape(lambda: KVCache.zeros(self.cfg, num_pages, page_size, dtype,
+                                                    window_pages))
 
     def put(self, x):
         return jax.device_put(x)
@@ -95,15 +98,18 @@ class TensorParallel:
     def _cache_cfg(self) -> ModelConfig:
         return sharding.cache_config(self.cfg, self.size)
 
-    def zeros_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
-        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv)
-        make = partial(KVCache.zeros, self._cache_cfg(), num_pages, page_size, dtype)
+    def zeros_cache(self, num_pages: int, page_size: int, dtype,
+                    window_pages: int = 0) -> KVCache:
+        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv, window_pages > 0)
+        make = partial(KVCache.zeros, self._cache_cfg(), num_pages, page_size, dtype,
+                       window_pages)
         return jax.jit(make, out_shardings=shardings)()
 
-    def abstract_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
+    def abstract_cache(self, num_pages: int, page_size: int, dtype,
+                       window_pages: int = 0) -> KVCache:
         shapes = jax.eval_shape(lambda: KVCache.zeros(self._cache_cfg(), num_pages, page_size,
-                                                      dtype))
-        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv)
+                                                      dtype, window_pages))
+        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv, window_pages > 0)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, shardings)
 
@@ -140,7 +146,7 @@ class TensorParallel:
 def _sharded_step(step, mesh, quantized_kv, params, cache, buffers, history, bitmask,
                   lora_slots=None, **static):
     """lora_slots: LoRA slots stacked by shard like the weights (serving/engine/lora_slots.py)."""
-    cache_spec = sharding.cache_specs(quantized_kv)
+    cache_spec = sharding.cache_specs(quantized_kv, cache.window is not None)
 
     def local(params, cache, buffers, history, bitmask, lora_slots):
         return step(sharding.local_params(params), cache, buffers, history, bitmask,

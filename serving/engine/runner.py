@@ -139,6 +139,9 @@ class ModelRunner:
         self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
         self.params = self.placement.prepare(params, free_stacked=free_stacked)
         self._cache = self._cache_shape = self._zeroing = None
+        # A hybrid model's window layers on pages of their own (model/kv_groups.py): set
+        # before sizing, so the activation peak is measured on the same program.
+        self.hybrid_kv = False
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
         self.backend = attention_backend
@@ -158,11 +161,13 @@ class ModelRunner:
         self.pooling = PoolingProgram(self) if pooling else None
         self.lora: DeviceLoRA | None = None  # enable_lora
 
-    def allocate_kv_cache(self, num_pages: int) -> None:
+    def allocate_kv_cache(self, num_pages: int, window_pages: int = 0) -> None:
         """On one device the zeros are written on a thread of their own (the CPU runtime
         writes the buffer inside the call: a second for the demo's 2.8 GiB) while warm-up
-        loads or compiles against the cache's shape; the first step waits for them."""
-        args = (num_pages, self.page_size, self.kv_cache_dtype)
+        loads or compiles against the cache's shape; the first step waits for them.
+        window_pages > 0: a hybrid model's window layers get that many pages of their own."""
+        self.hybrid_kv = window_pages > 0
+        args = (num_pages, self.page_size, self.kv_cache_dtype, window_pages)
         if self.placement.size > 1:
             self.cache = self._cache_shape = self.placement.zeros_cache(*args)
             return
@@ -187,7 +192,8 @@ class ModelRunner:
         """Temporary bytes the step program of `example`'s shape needs (XLA's buffer
         assignment of the compiled program, read before any cache exists: the cache is an
         abstract two-page stand-in, donated and aliased, so its size does not count)."""
-        cache = self.placement.abstract_cache(2, self.page_size, self.kv_cache_dtype)
+        cache = self.placement.abstract_cache(2, self.page_size, self.kv_cache_dtype,
+                                              2 if self.hybrid_kv else 0)
         args, layout = self._step_args(example, cache)
         compiled = self._jitted.lower(*args, layout=layout).compile()
         stats = compiled.memory_analysis()

@@ -12,6 +12,7 @@ from serving.core.buckets import Buckets
 from serving.core.config import EngineConfig, default_cache_root
 from serving.core.model_source import resolve_model_source
 from serving.engine import memory_plan
+from serving.engine.kv_pools import WindowPool
 
 log = logging.getLogger("xlaserve")
 CPU_KV_MEMORY_FRACTION = 0.5  # of the memory available, for the default KV cache off-GPU
@@ -85,8 +86,8 @@ def kv_cache_memory(ec: EngineConfig) -> int | None:
 
 
 def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: int,
-             allocator_limit: int, activation_peak, seq_pages: int = 0
-             ) -> memory_plan.MemoryPlan:
+             allocator_limit: int, activation_peak, seq_pages: int = 0,
+             window: WindowPool | None = None) -> memory_plan.MemoryPlan:
     """The GPU memory plan. activation_peak(max_model_len) -> bytes of the largest step's
     temporaries for that context (compiled, not run). seq_pages: on a window model, the
     most pages a request holds however long (core/kv_window.request_pages); 0: no bound."""
@@ -97,7 +98,7 @@ def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: 
         weight_bytes=weight_bytes, activation_bytes=peak, page_bytes=page_bytes,
         page_size=ec.page_size, model_max_len=longest, max_model_len=ec.max_model_len,
         gpu_memory_utilization=ec.gpu_memory_utilization, kv_cache_memory=kv_cache_memory(ec),
-        seq_pages=seq_pages)
+        seq_pages=seq_pages, window=window)
     used = plan.weight_bytes + plan.activation_bytes + plan.kv_cache_bytes
     if used > allocator_limit:
         raise memory_plan.MemoryPlanError(
@@ -131,12 +132,23 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
     devices: tensor parallel, the devices sharing the host's memory; bytes_per_page and
     kv_cache_memory are then one device's, the memory available is split between them.
     seq_pages: on a window model, the most pages a request holds however long it grows."""
+    return num_pages_hybrid(ec, bytes_per_page, None, max_len, kv_dtype, devices,
+                            seq_pages)[0]
+
+
+def num_pages_hybrid(ec: EngineConfig, bytes_per_page: int, window: WindowPool | None,
+                     max_len: int, kv_dtype: str = "", devices: int = 1,
+                     seq_pages: int = 0) -> tuple[int, int]:
+    """num_pages, for a hybrid model (serving/engine/kv_pools.py): -> (full-attention
+    layers' pages, window layers' pages), both with their sink page; bytes_per_page is then
+    the full layers' page. Without a window pool, (pages, 0)."""
     budget = kv_cache_memory(ec)
     per_seq = memory_plan.sequence_pages(max_len, ec.page_size, seq_pages)
     if budget is not None:
         why = "kv_cache_memory"
     else:
         wanted = ec.max_num_seqs * per_seq * bytes_per_page
+        wanted += window.bytes(window.wanted_pages) if window else 0
         free = available_memory()
         cap = int(free * CPU_KV_MEMORY_FRACTION) // devices if free else CPU_KV_CACHE_CAP
         budget = min(wanted, cap)
@@ -145,14 +157,20 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
             why += (f", capped at {CPU_KV_MEMORY_FRACTION:.0%} of the {free / GIB:.1f} GiB "
                     "available" if free else
                     f", capped at {cap / GIB:.0f} GiB (memory available unknown)")
-    pages = int(budget // bytes_per_page)
+    window_pages = window.pages_within(budget) if window else 0
+    if window:
+        budget -= window.bytes(window_pages)
+        log.info("KV cache of the window layers: %.2f GiB, %d pages of %d tokens",
+                 window.bytes(window_pages) / GIB, window_pages, ec.page_size)
+    pages = int(max(budget, 0) // bytes_per_page)
     if pages < per_seq:
         raise ValueError(f"a KV cache of {int(budget) >> 20} MiB holds {pages} pages of "
                          f"{ec.page_size} tokens, fewer than one sequence of max_model_len "
                          f"{max_len} holds at once ({per_seq}); raise kv_cache_memory or "
                          "lower max_model_len")
-    log.info("KV cache%s: %.2f GiB%s, %d pages of %d tokens (%d full sequences), for %s",
+    log.info("KV cache%s%s: %.2f GiB%s, %d pages of %d tokens (%d full sequences), for %s",
+             " of the full-attention layers" if window else "",
              f" ({kv_dtype})" if kv_dtype else "", pages * bytes_per_page / GIB,
              f" on each of {devices} devices" if devices > 1 else "", pages, ec.page_size,
              pages // per_seq, why)
-    return pages + 1
+    return pages + 1, window_pages
