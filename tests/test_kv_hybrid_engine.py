@@ -1,6 +1,6 @@
 """Hybrid models through the engine (docs/architecture.md, "Sliding windows and hybrid KV"):
-Gemma 3 (five window layers to one full) and gpt-oss (alternating, with sinks and experts)
-keep their window layers' K/V in a pool of their own. Decoding far past the windows with the
+Gemma 3 (five window layers to one full), gpt-oss (alternating, with sinks and experts) and
+Qwen2 with its window from max_window_layers on keep their window layers' K/V in a pool of their own. Decoding far past the windows with the
 default buckets, a request holds a window's worth of window pages while its full layers hold
 every page, and the tokens are transformers'; a prefix hit gives a cold run's tokens; a
 window pool too small for the batch preempts and still gives the same tokens."""
@@ -28,10 +28,16 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
+# Qwen2 with use_sliding_window: the window from layer max_window_layers on.
+QWEN2_WINDOW = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                    layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt_oss", "qwen2"])
 def hybrid(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    model = tiny_hf_model(request.param, folder)
+    overrides = QWEN2_WINDOW if request.param == "qwen2" else {}
+    model = tiny_hf_model(request.param, folder, **overrides)
     return request.param, model, folder, LLM(str(folder), **OPTIONS)
 
 
@@ -117,3 +123,13 @@ def test_a_short_window_pool_preempts_and_keeps_the_tokens(tmp_path):
     ours = [list(r.token_ids) for r in llm.generate(prompts, greedy(24))]
     assert engine.scheduler.num_preemptions_total > 0
     assert ours == [greedy_reference(model, p, 24) for p in prompts]
+
+
+def test_qwen2_window_layers_come_from_layer_types_or_max_window_layers(tmp_path):
+    import json
+    tiny_hf_model("qwen2", tmp_path, **QWEN2_WINDOW)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_hf(hf).sliding_windows == (0, 6, 6)
+    del hf["layer_types"]  # a config written before layer_types
+    assert ModelConfig.from_hf(hf).sliding_windows == (0, 6, 6)
+    assert ModelConfig.from_hf({**hf, "use_sliding_window": False}).sliding_windows == (0,) * 3
