@@ -4,6 +4,7 @@ every request decoding; per step, the milliseconds of each phase and of the devi
 
     python scripts/bench_host_overhead.py                        # vocabularies 512 and 49152
     python scripts/bench_host_overhead.py --vocab 49152 --requests 1,256 --logprobs 5
+    python scripts/bench_host_overhead.py --async-scheduling   # steps launched ahead
 
 Phases, in the order LLMEngine.step runs them (docs/architecture.md, "A request's path"):
 schedule (Scheduler.schedule), prep (the step's arrays: sampling inputs, page tables,
@@ -62,9 +63,12 @@ class PhaseClock:
         self._timed(engine.scheduler, "schedule", "schedule", self._after_schedule)
         self._timed(engine, "_prepare", "prep")
         self._timed(engine.runner, "dispatch", "dispatch", self._keep_arrays)
-        self._timed(engine, "_emit_pending", "outputs")
+        self._timed(engine, "_emit", "outputs")
         self._timed(engine.runner, "fetch", "fetch wait")
         self._timed(engine.scheduler, "update", "update")
+        # async scheduling (serving/engine/step_ahead.py): a step is applied in two halves
+        self._timed(engine.scheduler, "update_ahead", "update")
+        self._timed(engine.scheduler, "resolve", "update")
 
     def reset(self, num_requests: int) -> None:
         """Counts from here the steps where `num_requests` requests all decode."""
@@ -129,7 +133,8 @@ def run(model: Path, tokenizer: str | None, num_requests: int, args) -> dict:
     engine = LLMEngine(EngineConfig(
         model=str(model), tokenizer=tokenizer, load_format="dummy", max_num_seqs=num_requests,
         max_model_len=args.prompt_len + args.max_tokens + 16, progress=False,
-        compilation_cache_dir=args.compilation_cache_dir))
+        compilation_cache_dir=args.compilation_cache_dir,
+        async_scheduling=args.async_scheduling))
     engine.warmup()
     clock = PhaseClock(engine, num_requests)
     rng = np.random.default_rng(0)
@@ -158,6 +163,7 @@ def run_server(model: Path, vocab: int, tokenizer: str, num_requests: int, args,
            "--max-num-seqs", str(num_requests),
            "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
            "--compilation-cache-dir", args.compilation_cache_dir or ""]
+    cmd += ["--async-scheduling"] if args.async_scheduling else []
     with Server(f"{model.name}-{num_requests}", cmd, port, log_dir) as server:
         server.wait_healthy(900)
         rng = np.random.default_rng(0)  # prompts as token ids, in the model's vocabulary
@@ -180,6 +186,9 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs every row asks for")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's --async-scheduling: each step launched while the "
+                        "previous one runs")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the demo model's, 49152 tokens)")
     p.add_argument("--compilation-cache-dir", default=None)

@@ -110,7 +110,8 @@ def step_peaks(device, backend: str) -> None:
             step = partial(_step, cfg=cfg, backend=backend, layout=layout,
                            num_top=NUM_TOP_LOGPROBS, vocab_size=cfg.vocab_size)
             compiled = jax.jit(step, donate_argnums=(1,)).lower(
-                params, cache, put(buffers), put(history), put(bitmask)).compile()
+                params, cache, put(buffers), put(history), put(bitmask),
+                put(np.zeros(shape[1], np.int32))).compile()
         m = compiled.memory_analysis()
         print(f"8B step {shape} ({backend}): temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB, "
               f"compiled in {time.perf_counter() - started:.0f} s", flush=True)

@@ -78,6 +78,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV cache of prompt prefixes seen before "
                                       "(default: on)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=False, help="prepare and launch each step while the previous one "
+                                       "still runs on the device (default: off)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '
@@ -178,6 +181,7 @@ def _engine_config(args) -> EngineConfig:
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                   seed=args.seed, max_logprobs=args.max_logprobs,
                   enable_prefix_caching=args.enable_prefix_caching,
+                  async_scheduling=args.async_scheduling,
                   speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel,

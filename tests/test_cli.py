@@ -39,6 +39,12 @@ def test_vllm_flag_names():
         "auto", 0.9, None)
 
 
+def test_async_scheduling_as_vllm_names_it():
+    assert parse("serve", "m", "--async-scheduling").async_scheduling is True
+    assert parse("serve", "m", "--no-async-scheduling").async_scheduling is False
+    assert parse("serve", "m").async_scheduling is False
+
+
 def test_tensor_parallel_size_as_vllm_names_it():
     assert parse("serve", "m", "--tensor-parallel-size", "4").tensor_parallel_size == 4
     assert parse("serve", "m", "-tp", "2").tensor_parallel_size == 2

@@ -445,12 +445,10 @@ def test_invalid_requests_are_refused_and_leave_no_trace(tiny):
 
 # -- (f) the asyncio front end -----------------------------------------------------------------
 
-def test_async_engine_streams_match_offline_and_early_close_aborts(tiny):
-    rng = random.Random(5)
-    prompts = random_prompts(rng, [4, 30, 9, 45, 2])
-    params = [greedy(10), sampled(21, 14), greedy(6, logprobs=2), sampled(22, 8), greedy(12)]
-    offline = tiny.generate(prompts, params)
-    engine = tiny.engine
+def run_streams(engine, prompts, params):
+    """Streams every prompt through an AsyncEngine over `engine` at once, with one more
+    stream closed after two outputs, then one short request after those. -> (the early
+    stream's outputs, each prompt's outputs, the last request's outputs)."""
     async_engine = AsyncEngine(engine)
     async_engine.start(warmup=False)
 
@@ -471,9 +469,18 @@ def test_async_engine_streams_match_offline_and_early_close_aborts(tiny):
         return results[0], results[1:], after
 
     try:
-        early, streams, after = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         async_engine.shutdown()
+
+
+def test_async_engine_streams_match_offline_and_early_close_aborts(tiny):
+    rng = random.Random(5)
+    prompts = random_prompts(rng, [4, 30, 9, 45, 2])
+    params = [greedy(10), sampled(21, 14), greedy(6, logprobs=2), sampled(22, 8), greedy(12)]
+    offline = tiny.generate(prompts, params)
+    engine = tiny.engine
+    early, streams, after = run_streams(engine, prompts, params)
     for outs, want in zip(streams, offline):
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert sum((o.new_token_ids for o in outs), []) == want.token_ids

@@ -7,7 +7,7 @@ import pytest
 from serving.core.buckets import Buckets
 from serving.engine.input_prep import (SINK_SLOT, all_step_shapes, history_shape, padding_step,
                                       prepare, step_shape)
-from serving.core.request import Request
+from serving.core.request import PLACEHOLDER_TOKEN, Request
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -35,6 +35,25 @@ def mixed_step():
     return SchedulerOutput([a, b, c])
 
 
+def test_tokens_still_on_the_device_name_the_rows_that_sample_them():
+    """Async scheduling: a decode whose input is the last step's placeholder takes that
+    step's row; the host writes 0 in its place and the program substitutes the token."""
+    a = scheduled([5, 6, 7], [PLACEHOLDER_TOKEN], 3, 1, [2])
+    b = scheduled(list(range(100, 110)), [], 4, 6, [3, 7, 8])  # a prefill chunk: all known
+    c = scheduled([9, 8], [40, PLACEHOLDER_TOKEN], 3, 1, [6])
+    out = SchedulerOutput([a, b, c])
+    prev = {a.request.request_id: 5, c.request.request_id: 0}
+    arr = prepare(out, BUCKETS, PAGE, MAX_SEQS, prev_rows=prev)
+    assert arr.batch["prev_rows"][:8].tolist() == [5, -1, -1, -1, -1, -1, -1, 0]
+    assert arr.batch["input_ids"][:8].tolist() == [0, 104, 105, 106, 107, 108, 109, 0]
+    with pytest.raises(ValueError, match="needs the rows"):
+        prepare(SchedulerOutput([scheduled([5, 6, 7], [PLACEHOLDER_TOKEN], 3, 1, [2])]),
+                BUCKETS, PAGE, MAX_SEQS)
+    with pytest.raises(ValueError, match="no row in the previous step"):
+        prepare(SchedulerOutput([scheduled([5, 6, 7], [PLACEHOLDER_TOKEN], 3, 1, [2])]),
+                BUCKETS, PAGE, MAX_SEQS, prev_rows={})
+
+
 def test_mixed_prefill_and_decode_arrays():
     out = mixed_step()
     arr = prepare(out, BUCKETS, PAGE, MAX_SEQS)
@@ -45,8 +64,10 @@ def test_mixed_prefill_and_decode_arrays():
     b = arr.batch
     assert {k: v.shape for k, v in b.items()} == {
         "input_ids": (T,), "positions": (T,), "slot_mapping": (T,), "req_indices": (T,),
-        "page_table": (R, P), "logits_indices": (R,), "draft_ids": (R,), "row_start": (R,)}
+        "page_table": (R, P), "logits_indices": (R,), "draft_ids": (R,), "row_start": (R,),
+        "prev_rows": (T,)}
     assert all(v.dtype == np.int32 for v in b.values())
+    assert (b["prev_rows"] == -1).all()  # every input token is on the host
     assert b["input_ids"].tolist() == [100, 101, 102, 103, 104, 105, 51, 204, 205, 206, 207, 208,
                                        0, 0, 0, 0]
     assert b["positions"].tolist() == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 0, 0, 0, 0]

@@ -54,6 +54,9 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that bring none
     max_logprobs: int = 20  # cap on logprobs and prompt_logprobs per token (vLLM's name)
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
+    # schedule and launch step N+1 while step N runs on the device (vLLM's flag;
+    # serving/engine/step_ahead.py); steps with grammars, penalties or speculation wait
+    async_scheduling: bool = False
     # speculative decoding, vLLM's keys (JSON text or a dict; core/spec_config.py); None: off
     speculative_config: str | dict | None = None
     # devices one model is split over (tensor parallel, docs/architecture.md): the first N

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from serving.core.sampling_params import SamplingParams
 
+# An output token sampled by a step still running on the device (async scheduling,
+# Scheduler.update_ahead): it holds the token's place until Scheduler.resolve writes it.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # not yet admitted, or preempted (then it recomputes its tokens)

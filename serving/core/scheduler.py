@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
 from serving.core.kv_hybrid import HybridKVCacheManager
 from serving.core.kv_window import request_pages
-from serving.core.request import Request, RequestStatus
+from serving.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from serving.core.request_checks import RequestRefused, fit_max_tokens, fit_pooling_prompt
 from serving.core.spec_decode import SpecDecodeStats, check_verified, num_drafts
 
@@ -315,6 +315,61 @@ class Scheduler:
                 raise ValueError(f"request {req.request_id!r} samples this step but got None")
             self._append_token(req, int(token))
             changed.append(req)
+        return changed
+
+    # -- async scheduling (engine/step_ahead.py) ----------------------------------------------
+
+    def update_ahead(self, output: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Applies a step still running on the device as far as it can be without its
+        tokens, so the next step can be scheduled now: its tokens count as computed, and
+        each request it samples for gets PLACEHOLDER_TOKEN as its next output, with the stops
+        that do not depend on the token (max_tokens, the model's length). Returns (request,
+        index of its placeholder) per sampling request, for `resolve`. Only for steps with no
+        proposed tokens, grammars or penalties (step_ahead.runs_ahead)."""
+        ahead = []
+        for sr in output.scheduled:
+            req = sr.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
+                continue
+            self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
+                                                    sr.num_new_tokens), 0)
+            req.num_computed_tokens += sr.num_new_tokens
+            self.kv_cache_manager.cache_computed(req)
+            if not sr.samples:
+                continue
+            ahead.append((req, req.num_output_tokens))
+            req.output_token_ids.append(PLACEHOLDER_TOKEN)
+            self.num_generation_tokens_total += 1
+            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self._max_len:
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_LENGTH, None)
+        return ahead
+
+    def resolve(self, ahead: list[tuple[Request, int]], tokens: list[int]) -> list[Request]:
+        """Writes the tokens of a step applied by update_ahead and applies the stops that
+        depend on them (EOS, stop token ids), one step late: a request that stopped here
+        and was scheduled again meanwhile is skipped when that step is applied. A request
+        ended at max_tokens ahead whose last token is EOS or a stop token ends with "stop",
+        as it would have without running ahead. Returns the requests that got a token."""
+        changed = []
+        for (req, index), token in zip(ahead, tokens):
+            if (index >= req.num_output_tokens
+                    or req.output_token_ids[index] != PLACEHOLDER_TOKEN):
+                continue  # cut off since (a stop string in an earlier token)
+            req.output_token_ids[index] = token
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            changed.append(req)
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                continue
+            stop = self._check_stop(req, token)
+            if stop is None:
+                continue
+            if req.is_finished:  # ended at max_tokens ahead: the token may make it a stop
+                req.status, req.finish_reason, req.stop_reason = (
+                    stop[0], stop[0].finish_reason, stop[1])
+            else:
+                self.finish_request(req.request_id, *stop)
         return changed
 
     def _update_verified(self, sr: ScheduledRequest, tokens: list[int]) -> None:

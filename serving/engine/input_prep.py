@@ -12,6 +12,7 @@ import numpy as np
 from serving.core.buckets import Buckets
 from serving.core.grammar import step_bitmask
 from serving.core.sampling_params import MAX_LOGIT_BIAS
+from serving.core.request import PLACEHOLDER_TOKEN
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput
 from serving.core.prompt_logprobs import wants_prompt_logprobs
 from serving.core.pooling import pooling_rows
@@ -57,14 +58,17 @@ def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int,
 
 def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
             max_num_seqs: int, bitmask_width: int = 0,
-            pooling_type: str | None = None, lora_slots: list[int] | None = None) -> StepArrays:
+            pooling_type: str | None = None, lora_slots: list[int] | None = None,
+            prev_rows: dict[str, int] | None = None) -> StepArrays:
     """pooling_type: an embedding engine's (core/pooling_params.py), else None.
-    lora_slots: with LoRA on, each scheduled request's adapter slot (-1: none)."""
+    lora_slots: with LoRA on, each scheduled request's adapter slot (-1: none).
+    prev_rows: with async scheduling, the previous step's first sampled row of each of its
+    requests, for the tokens it samples that this step takes as input."""
     sched = out.scheduled
     T, R, P = step_shape(buckets, out.num_batched_tokens,
                          max(len(s.page_ids) for s in sched), max_num_seqs)
     first_rows = _first_rows(sched, R)
-    batch = _token_arrays(sched, T, R, P, page_size, first_rows)
+    batch = _token_arrays(sched, T, R, P, page_size, first_rows, prev_rows)
     if lora_slots is not None:  # every token of a request uses its adapter
         batch["lora_slots"] = np.full(T, -1, np.int32)
         counts = [s.num_new_tokens for s in sched]
@@ -83,7 +87,8 @@ def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
 
 
 def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_size: int,
-                  first_rows: list[int]) -> dict[str, np.ndarray]:
+                  first_rows: list[int], prev_rows: dict[str, int] | None = None
+                  ) -> dict[str, np.ndarray]:
     """The model's per-token and per-row inputs, built from flat lists with a few whole-array
     numpy operations (no per-request numpy calls: at 256 requests those were milliseconds)."""
     counts = np.array([s.num_new_tokens for s in sched], np.int32)
@@ -115,12 +120,32 @@ def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_si
         draft_ids[:m] = draft
     arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
                   req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
-                  draft_ids=draft_ids, row_start=row_start)
+                  draft_ids=draft_ids, row_start=row_start,
+                  prev_rows=_prev_rows(sched, input_ids, req, T, prev_rows))
     if sched[0].window_page_ids is not None:  # a hybrid model's window layers
         window_table = _page_table([s.window_page_ids for s in sched], R, P)
         arrays.update(window_page_table=window_table,
                       window_slot_mapping=_slots(window_table, req, pos, T, page_size))
     return arrays
+
+
+def _prev_rows(sched: list[ScheduledRequest], input_ids: np.ndarray, req: np.ndarray, T: int,
+               prev_rows: dict[str, int] | None) -> np.ndarray:
+    """i32[T]: for each token not yet known on the host (PLACEHOLDER_TOKEN: async
+    scheduling), the previous step's row that samples it; -1 for the others."""
+    out = np.full(T, -1, np.int32)
+    n = len(req)
+    unknown = input_ids[:n] == PLACEHOLDER_TOKEN
+    if unknown.any():
+        if prev_rows is None:
+            raise ValueError("a step with tokens still on the device needs the rows that "
+                             "sample them")
+        rows = np.array([prev_rows.get(s.request.request_id, -1) for s in sched], np.int32)
+        out[:n] = np.where(unknown, rows[req], -1)
+        if (out[:n][unknown] < 0).any():
+            raise ValueError("a token still on the device has no row in the previous step")
+        input_ids[:n][unknown] = 0
+    return out
 
 
 def _page_table(tables: list[list[int]], R: int, P: int) -> np.ndarray:
@@ -160,7 +185,7 @@ def padding_step(shape: tuple[int, int, int], hybrid: bool = False) -> StepArray
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
                  req_indices=np.full(T, R - 1, np.int32), page_table=np.zeros((R, P), np.int32),
                  logits_indices=np.zeros(R, np.int32), draft_ids=np.full(R, -1, np.int32),
-                 row_start=np.arange(R, dtype=np.int32))
+                 row_start=np.arange(R, dtype=np.int32), prev_rows=np.full(T, -1, np.int32))
     if hybrid:
         batch.update(window_page_table=np.zeros((R, P), np.int32),
                      window_slot_mapping=np.full(T, SINK_SLOT, np.int32))

@@ -42,6 +42,7 @@ from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
 from serving.core.sampling_params import SamplingParams
 from serving.core.kv_window import common_window, request_pages
 from serving.engine.kv_pools import WindowPool
+from serving.engine.step_ahead import InFlight, runs_ahead
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
@@ -136,7 +137,8 @@ class LLMEngine:
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
                                   max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size,
                                   executable_dir=self.executable_dir, placement=self.placement,
-                                  pooling=self.embedder is not None)
+                                  pooling=self.embedder is not None,
+                                  max_rows=(ec.request_buckets or (ec.max_num_seqs,))[-1])
         del params
         self.lora = start_lora(ec, self.runner, self.task) if ec.enable_lora else None
         self.memory_plan = None
@@ -192,6 +194,7 @@ class LLMEngine:
         self._states: dict[str, _State] = {}  # by the sample's own request id
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
+        self._flight: InFlight | None = None  # a step applied ahead (step_ahead.py)
         self._seeds = random.Random(ec.seed)
         self.warmup_report: WarmupReport | None = None
         self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
@@ -351,7 +354,7 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished or bool(self._pending.requests)
-                or any(p.held for p in self._parents.values()))
+                or self._flight is not None or any(p.held for p in self._parents.values()))
 
     def _release_held(self) -> None:
         """Gives the scheduler the samples whose first sibling has computed the prompt."""
@@ -371,15 +374,19 @@ class LLMEngine:
         with finish_reason "error" and the step goes on."""
         self._release_held()
         out = self.scheduler.schedule()
+        flight, self._flight = self._flight, None  # the last step, if it ran ahead
         if not out.scheduled:
-            return self._emit_pending()
-        out, arrays, failed = self._prepare(out)
+            return self._settle(flight) + self._emit_pending()
+        out, arrays, failed = self._prepare(out, flight and flight.rows)
         if arrays is None:
-            return failed + self._emit_pending()
+            return failed + self._settle(flight) + self._emit_pending()
         if self.faults:
             self.faults.check("step", (s.request for s in out.scheduled))
         handle = self.runner.dispatch(arrays)
-        outputs = failed + self._emit_pending()
+        outputs = failed + self._settle(flight) + self._emit_pending()
+        if runs_ahead(out, self):
+            self._flight = InFlight(out, arrays, handle, self.scheduler.update_ahead(out))
+            return outputs
         result = self.runner.fetch(handle)
         if result.prompt is not None:
             self._collect_prompt_logprobs(out, result)
@@ -393,6 +400,19 @@ class LLMEngine:
         row = {s.request.request_id: r for s, r in zip(out.scheduled, arrays.first_rows)}
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
+
+    def _settle(self, flight: InFlight | None) -> list[RequestOutput]:
+        """Fetches a step applied ahead, writes its tokens over the placeholders (stops one
+        step late) and emits its outputs."""
+        if flight is None:
+            return []
+        result = self.runner.fetch(flight.handle)
+        if result.prompt is not None:
+            self._collect_prompt_logprobs(flight.out, result)
+        rows = flight.rows
+        tokens = [int(result.tokens[rows[req.request_id]]) for req, _ in flight.ahead]
+        changed = self.scheduler.resolve(flight.ahead, tokens)
+        return self._emit(_Pending(changed, [rows[r.request_id] for r in changed], result))
 
     def _collect_prompt_logprobs(self, out: SchedulerOutput, result: StepResult) -> None:
         row_start = 0
@@ -408,7 +428,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
-        self._pending = _Pending()
+        self._pending, self._flight = _Pending(), None
         self._parents.clear()
         return [self._fail(request_id, error) for request_id in list(self._states)]
 
@@ -419,34 +439,36 @@ class LLMEngine:
         return RequestOutput(st.parent_id, st.request.prompt_token_ids, finished=True,
                              finish_reason="error", error=error, index=st.index)
 
-    def _build(self, out: SchedulerOutput):
+    def _build(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None):
         if self.faults:
             self.faults.check("sampling", (s.request for s in out.scheduled))
         lora_slots = (self.lora.step_slots([s.request.lora for s in out.scheduled])
                       if self.lora else None)
         return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs,
                        self.runner.bitmask_width,
-                       self.embedder and self.embedder.pooler.pooling_type, lora_slots)
+                       self.embedder and self.embedder.pooler.pooling_type, lora_slots,
+                       prev_rows)
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot
         be built, each request is built alone to find the ones at fault; they fail, the
-        rest runs. Arrays are None when no request is left."""
+        rest runs. Arrays are None when no request is left. prev_rows: the last step's rows,
+        when it ran ahead (step_ahead.py)."""
         try:
-            return out, self._build(out), []
+            return out, self._build(out, prev_rows), []
         except Exception as e:  # noqa: BLE001 - one request's inputs must not fail a batch
             log.error("building a step failed (%s); retrying its requests one by one",
                       type(e).__name__)
         failed, gone = [], set()  # outputs carry the caller's id; gone holds the samples'
         for s in out.scheduled:
             try:
-                self._build(SchedulerOutput([s]))
+                self._build(SchedulerOutput([s]), prev_rows)
             except Exception as e:  # noqa: BLE001 - this request is at fault
                 failed.append(self._fail_alone(s.request.request_id, "sampling inputs", e))
                 gone.add(s.request.request_id)
         kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
                                out.preempted)
-        return kept, (self._build(kept) if kept.scheduled else None), failed
+        return kept, (self._build(kept, prev_rows) if kept.scheduled else None), failed
 
     def _fail_alone(self, request_id: str, what: str, exc: Exception) -> RequestOutput:
         error = f"{what} failed: {type(exc).__name__}: {exc}"
@@ -455,6 +477,9 @@ class LLMEngine:
 
     def _emit_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, _Pending()
+        return self._emit(p)
+
+    def _emit(self, p: _Pending) -> list[RequestOutput]:
         outputs = []
         for req, row in zip(p.requests, p.rows):
             st = self._states.get(req.request_id)

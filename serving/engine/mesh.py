@@ -144,21 +144,21 @@ class TensorParallel:
 
 
 def _sharded_step(step, mesh, quantized_kv, params, cache, buffers, history, bitmask,
-                  lora_slots=None, **static):
+                  last_tokens, lora_slots=None, **static):
     """lora_slots: LoRA slots stacked by shard like the weights (serving/engine/lora_slots.py)."""
     cache_spec = sharding.cache_specs(quantized_kv, cache.window is not None)
 
-    def local(params, cache, buffers, history, bitmask, lora_slots):
+    def local(params, cache, buffers, history, bitmask, last_tokens, lora_slots):
         return step(sharding.local_params(params), cache, buffers, history, bitmask,
-                    sharding.local_params(lora_slots), **static)
+                    last_tokens, sharding.local_params(lora_slots), **static)
     # check_vma off: the kernels are FFI and Pallas calls with no replication rules; the
     # outputs are replicated because the hidden states are (after each psum) and the logits
     # are gathered.
     return jax.shard_map(local, mesh=mesh,
-                         in_specs=(P(sharding.AXIS), cache_spec, P(), P(), P(),
+                         in_specs=(P(sharding.AXIS), cache_spec, P(), P(), P(), P(),
                                    P(sharding.AXIS)),
-                         out_specs=(P(), P(), P(), cache_spec), check_vma=False)(
-        params, cache, buffers, history, bitmask, lora_slots)
+                         out_specs=(P(), P(), P(), cache_spec, P()), check_vma=False)(
+        params, cache, buffers, history, bitmask, last_tokens, lora_slots)
 
 
 def placement(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype=None):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -30,27 +31,36 @@ from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInput
 log = logging.getLogger("xlaserve")
 
 
-def _step(params, cache, buffers, history, bitmask, lora_slots=None, *, layout,
+def _step(params, cache, buffers, history, bitmask, last_tokens, lora_slots=None, *, layout,
           cfg: ModelConfig, backend: str, num_top: int, vocab_size: int,
           axis: str | None = None):
     """-> (sampled tokens, which rows are outputs (rejection_sampler), the tokens' hidden
-    states in blocks for prompt logprobs, cache). axis: tensor parallel, this runs on one
-    shard (serving/engine/mesh.py). lora_slots: the adapters' device slots (model/lora.py)
-    when LoRA is on."""
+    states in blocks for prompt logprobs, cache, this step's tokens for the next one).
+    axis: tensor parallel, this runs on one shard (serving/engine/mesh.py). lora_slots: the
+    adapters' device slots (model/lora.py) when LoRA is on.
+
+    last_tokens: i32[max_rows], the previous step's sampled tokens, row by row. A token whose
+    `prev_rows` entry is a row (>= 0) is that row's token: with async scheduling the step
+    was prepared before the previous one's tokens reached the host (engine/async_steps.py)."""
     batch, sampling = _unpack(buffers, layout)
     sampling["history"] = history
+    prev_rows = batch.pop("prev_rows")
+    batch["input_ids"] = jnp.where(prev_rows >= 0, last_tokens[jnp.maximum(prev_rows, 0)],
+                                   batch["input_ids"])
     batch, draft_ids, row_start = split_batch(batch)
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend, axis, lora_slots)
     # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
     logits = compute_logits(params, hidden[batch.logits_indices], cfg, axis)[:, :vocab_size]
     sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
     emitted = emitted_rows(sampled.tokens, draft_ids, row_start)
-    return sampled, emitted, hidden_blocks(hidden), cache
+    next_tokens = jnp.zeros_like(last_tokens).at[:sampled.tokens.shape[0]].set(sampled.tokens)
+    return sampled, emitted, hidden_blocks(hidden), cache, next_tokens
 
 
 def split_batch(arrays: dict) -> tuple[Batch, object, object]:
     """The step's batch arrays -> (the model's Batch, draft_ids, row_start)."""
     arrays = dict(arrays)
+    arrays.pop("prev_rows", None)  # the runner's own (see _step)
     draft_ids, row_start = arrays.pop("draft_ids"), arrays.pop("row_start")
     return Batch(**arrays), draft_ids, row_start
 
@@ -125,7 +135,7 @@ class ModelRunner:
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
                  free_stacked: bool = False, max_logprobs: int = NUM_TOP_LOGPROBS,
                  vocab_size: int | None = None, executable_dir: str | None = None,
-                 placement=None, pooling: bool = False):
+                 placement=None, pooling: bool = False, max_rows: int = 1):
         self.cfg = cfg
         self.placement = placement or SingleDevice(cfg)
         # Called with every step's arrays before it runs: a leader process hands them to its
@@ -136,6 +146,9 @@ class ModelRunner:
         self.vocab_size = vocab_size or cfg.vocab_size
         self.max_logprobs = max_logprobs
         self.bitmask_width = (self.vocab_size + 31) // 32
+        # The last step's sampled tokens, on the device, for a step prepared before they
+        # reached the host; max_rows: the largest request bucket.
+        self._last_tokens = self.placement.put(np.zeros(max_rows, np.int32))
         self._no_bitmask: dict[int, jax.Array] = {}  # all tokens allowed, per request bucket
         self.params = self.placement.prepare(params, free_stacked=free_stacked)
         self._cache = self._cache_shape = self._zeroing = None
@@ -278,7 +291,7 @@ class ModelRunner:
             self.step_sink(arrays)
         args, layout = self._step_args(arrays, self.cache, put=True)
         program = program_for(self._compiled, arrays.shape, layout, "step")
-        out, emitted, blocks, self.cache = program(*args)
+        out, emitted, blocks, self.cache, self._last_tokens = program(*args)
         out.tokens.copy_to_host_async()
         emitted.copy_to_host_async()
         if arrays.wants_logprobs:
@@ -297,7 +310,7 @@ class ModelRunner:
             arrays.batch["lora_slots"] = np.full(arrays.shape[0], -1, np.int32)
         buffers, layout = _pack(arrays)
         args = (self.params, cache, self.placement.put(buffers) if put else buffers,
-                self._history(arrays), self._bitmask(arrays))
+                self._history(arrays), self._bitmask(arrays), self._last_tokens)
         return args + ((self.lora.slots,) if self.lora is not None else ()), layout
 
     def enable_lora(self, config) -> None:

@@ -117,6 +117,7 @@ def lower_step(cfg: ModelConfig, tp: int, shape: tuple[int, int, int], *, num_pa
                                    sharding=replicated)
     bitmask = jax.ShapeDtypeStruct((R, (cfg.vocab_size + 31) // 32), np.int32,
                                    sharding=replicated)
+    last_tokens = jax.ShapeDtypeStruct((R,), np.int32, sharding=replicated)
     step = jax.jit(where.wrap_step(partial(
         _step, cfg=where.model_cfg, backend=backend, num_top=num_top,
         vocab_size=cfg.vocab_size, axis=where.axis)), donate_argnums=(1,),
@@ -127,7 +128,7 @@ def lower_step(cfg: ModelConfig, tp: int, shape: tuple[int, int, int], *, num_pa
             warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
             with jax.sharding.use_abstract_mesh(mesh):
                 lowered = step.trace(params, cache, tuple(map(sds, buffers)), history,
-                                     bitmask, layout=layout).lower(
+                                     bitmask, last_tokens, layout=layout).lower(
                     lowering_platforms=("cuda",))
     finally:
         attention.PALLAS_INTERPRET = interpret
