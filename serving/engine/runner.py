@@ -53,7 +53,8 @@ def _step(params, cache, buffers, history, bitmask, last_tokens, lora_slots=None
     logits = compute_logits(params, hidden[batch.logits_indices], cfg, axis)[:, :vocab_size]
     sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
     emitted = emitted_rows(sampled.tokens, draft_ids, row_start)
-    next_tokens = jnp.zeros_like(last_tokens).at[:sampled.tokens.shape[0]].set(sampled.tokens)
+    next_tokens = jnp.pad(sampled.tokens.astype(jnp.int32),
+                          (0, last_tokens.shape[0] - sampled.tokens.shape[0]))
     return sampled, emitted, hidden_blocks(hidden), cache, next_tokens
 
 
