@@ -74,6 +74,9 @@ def parse_args():
     p.add_argument("--max-seconds", type=float, default=float("inf"),
                    help="skip the remaining batch sizes once this much time has passed")
     p.add_argument("--out", type=Path, help="append the table to this file")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's flag (default on): each step launched while the "
+                        "previous one runs; --no-async-scheduling fetches each step first")
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     args.batch_sizes = [int(b) for b in (args.batch_sizes or
@@ -118,7 +121,7 @@ def engine_config(args, model_dir: Path):
         token_buckets=tokens, request_buckets=tuple(sorted(set(args.batch_sizes) | {max_seqs})),
         page_buckets=(max_pages,), compilation_cache_dir=args.compilation_cache_dir,
         tensor_parallel_size=args.tensor_parallel_size,
-        progress=False, **extra)
+        async_scheduling=args.async_scheduling, progress=False, **extra)
 
 
 def run_batch(engine, batch: int, args, rng, clock) -> dict:

@@ -4,7 +4,7 @@ every request decoding; per step, the milliseconds of each phase and of the devi
 
     python scripts/bench_host_overhead.py                        # vocabularies 512 and 49152
     python scripts/bench_host_overhead.py --vocab 49152 --requests 1,256 --logprobs 5
-    python scripts/bench_host_overhead.py --async-scheduling   # steps launched ahead
+    python scripts/bench_host_overhead.py --no-async-scheduling   # each step fetched first
 
 Phases, in the order LLMEngine.step runs them (docs/architecture.md, "A request's path"):
 schedule (Scheduler.schedule), prep (the step's arrays: sampling inputs, page tables,
@@ -163,7 +163,7 @@ def run_server(model: Path, vocab: int, tokenizer: str, num_requests: int, args,
            "--max-num-seqs", str(num_requests),
            "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
            "--compilation-cache-dir", args.compilation_cache_dir or ""]
-    cmd += ["--async-scheduling"] if args.async_scheduling else []
+    cmd += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
     with Server(f"{model.name}-{num_requests}", cmd, port, log_dir) as server:
         server.wait_healthy(900)
         rng = np.random.default_rng(0)  # prompts as token ids, in the model's vocabulary
@@ -186,9 +186,9 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs every row asks for")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="the engine's --async-scheduling: each step launched while the "
-                        "previous one runs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's --async-scheduling (default on): each step launched "
+                        "while the previous one runs")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the demo model's, 49152 tokens)")
     p.add_argument("--compilation-cache-dir", default=None)

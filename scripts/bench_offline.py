@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", help="as `xlaserve serve --kv-cache-dtype`")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each step while the previous one runs (the engine's flag, "
+                        "default on)")
     return p.parse_args(argv)
 
 
@@ -60,7 +63,8 @@ def engine_config(args, max_num_seqs: int) -> EngineConfig:
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   token_buckets=args.token_buckets, page_buckets=args.page_buckets,
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, progress=False,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  async_scheduling=args.async_scheduling)
     if args.compilation_cache_dir:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return EngineConfig(**kwargs)

@@ -16,6 +16,7 @@
 #                            batch the host's phases, the device alone and the host time
 #                            on the path (what the device waits for between steps)
 #   engine-8b-warm     35 s  the same engine restarted: warm-up from the compilation cache
+#   engine-8b-sync     45 s  engine-8b-cold's decode with --no-async-scheduling (warm)
 #   quant-hlo          20 s  the GEMM XLA chose for int8 / fp8 weights (8B MLP shape)
 #   serve-8b           65 s  `python -m serving serve` on that model: /health, one streamed
 #                            completion
@@ -119,6 +120,10 @@ DECODE=("$PY" scripts/bench_decode.py "${SHAPE[@]}" --default-sizing --prompt-le
 run engine-8b-cold 100 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 64 \
   --max-seconds 85
 run engine-8b-warm 35 "${DECODE[@]}" --batch-sizes "$BATCHES" --warmup-only
+# The same decode with each step fetched before the next is scheduled: against
+# engine-8b-cold's rows, what async scheduling takes off the path.
+run engine-8b-sync 45 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 32 \
+  --max-seconds 35 --no-async-scheduling
 
 # Tensor parallelism needs GPUs to split over; with one GPU nothing runs (not even a line).
 NUM_GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU")

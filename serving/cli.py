@@ -79,8 +79,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=True, help="reuse the KV cache of prompt prefixes seen before "
                                       "(default: on)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=False, help="prepare and launch each step while the previous one "
-                                       "still runs on the device (default: off)")
+                   default=True, help="prepare and launch each step while the previous one "
+                                      "still runs on the device (default: on)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, '

@@ -42,7 +42,7 @@ def test_vllm_flag_names():
 def test_async_scheduling_as_vllm_names_it():
     assert parse("serve", "m", "--async-scheduling").async_scheduling is True
     assert parse("serve", "m", "--no-async-scheduling").async_scheduling is False
-    assert parse("serve", "m").async_scheduling is False
+    assert parse("serve", "m").async_scheduling is True
 
 
 def test_tensor_parallel_size_as_vllm_names_it():

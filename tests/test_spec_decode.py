@@ -334,15 +334,15 @@ def test_a_wrong_acceptance_rule_fails_the_engine_frequency_test(tiny_model, tin
 
     right = runner._step
 
-    def wrong_step(params, cache, buffers, history, bitmask, *, layout, **kwargs):
-        sampled, _, blocks, cache = right(params, cache, buffers, history, bitmask,
-                                          layout=layout, **kwargs)
+    def wrong_step(params, cache, buffers, history, bitmask, last_tokens, *, layout, **kwargs):
+        sampled, _, blocks, cache, next_tokens = right(params, cache, buffers, history, bitmask,
+                                                       last_tokens, layout=layout, **kwargs)
         batch, _ = runner._unpack(buffers, layout)
         drafts, tokens = batch["draft_ids"], sampled.tokens
         tokens = jnp.where((drafts >= 0) & (tokens != drafts) & (tokens % 2 == 1), drafts,
                            tokens)
         return (dataclasses.replace(sampled, tokens=tokens),
-                emitted_rows(tokens, drafts, batch["row_start"]), blocks, cache)
+                emitted_rows(tokens, drafts, batch["row_start"]), blocks, cache, next_tokens)
 
     monkeypatch.setattr(runner, "_step", wrong_step)
     wrong = LLM(str(tiny_model[1]), speculative_config=SPEC, compilation_cache_dir=None,

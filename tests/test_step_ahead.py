@@ -23,7 +23,7 @@ OPTIONS = dict(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=32, page
 @pytest.fixture(scope="module")
 def engines(tiny_model):  # noqa: F811
     folder = str(tiny_model[1])
-    return LLM(folder, **OPTIONS), LLM(folder, async_scheduling=True, **OPTIONS)
+    return LLM(folder, async_scheduling=False, **OPTIONS), LLM(folder, **OPTIONS)
 
 
 def watch_ahead(llm: LLM) -> list:
@@ -99,8 +99,8 @@ def test_preemption_and_prefix_hits_keep_the_tokens(tiny_model):  # noqa: F811
     folder = str(tiny_model[1])
     cfg = ModelConfig.from_dir(folder)
     memory = 14 * bytes_per_page(cfg, 4)  # few pages: a batch of long requests preempts
-    sync = LLM(folder, kv_cache_memory=memory, **OPTIONS)
-    ahead = LLM(folder, kv_cache_memory=memory, async_scheduling=True, **OPTIONS)
+    sync = LLM(folder, kv_cache_memory=memory, async_scheduling=False, **OPTIONS)
+    ahead = LLM(folder, kv_cache_memory=memory, **OPTIONS)
     rng = random.Random(5)
     shared = random_prompts(rng, [16])[0]
     prompts = [shared + p for p in random_prompts(rng, [3, 9, 1, 6, 12, 4])]

@@ -56,7 +56,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before
     # schedule and launch step N+1 while step N runs on the device (vLLM's flag;
     # serving/engine/step_ahead.py); steps with grammars, penalties or speculation wait
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     # speculative decoding, vLLM's keys (JSON text or a dict; core/spec_config.py); None: off
     speculative_config: str | dict | None = None
     # devices one model is split over (tensor parallel, docs/architecture.md): the first N

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -374,16 +375,16 @@ class LLMEngine:
         with finish_reason "error" and the step goes on."""
         self._release_held()
         out = self.scheduler.schedule()
-        flight, self._flight = self._flight, None  # the last step, if it ran ahead
+        flight = self._flight  # the last step, if it ran ahead: settled below
         if not out.scheduled:
-            return self._settle(flight) + self._emit_pending()
+            return self._settle() + self._emit_pending()
         out, arrays, failed = self._prepare(out, flight and flight.rows)
         if arrays is None:
-            return failed + self._settle(flight) + self._emit_pending()
+            return failed + self._settle() + self._emit_pending()
         if self.faults:
             self.faults.check("step", (s.request for s in out.scheduled))
         handle = self.runner.dispatch(arrays)
-        outputs = failed + self._settle(flight) + self._emit_pending()
+        outputs = failed + self._settle() + self._emit_pending()
         if runs_ahead(out, self):
             self._flight = InFlight(out, arrays, handle, self.scheduler.update_ahead(out))
             return outputs
@@ -401,9 +402,10 @@ class LLMEngine:
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
 
-    def _settle(self, flight: InFlight | None) -> list[RequestOutput]:
-        """Fetches a step applied ahead, writes its tokens over the placeholders (stops one
-        step late) and emits its outputs."""
+    def _settle(self) -> list[RequestOutput]:
+        """Fetches the step applied ahead, if any, writes its tokens over the placeholders
+        (stops one step late) and emits its outputs."""
+        flight, self._flight = self._flight, None
         if flight is None:
             return []
         result = self.runner.fetch(flight.handle)
@@ -428,7 +430,11 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
-        self._pending, self._flight = _Pending(), None
+        self._pending = _Pending()
+        flight, self._flight = self._flight, None
+        if flight is not None:  # its device work ends before the engine's state is dropped
+            with contextlib.suppress(Exception):
+                self.runner.fetch(flight.handle)
         self._parents.clear()
         return [self._fail(request_id, error) for request_id in list(self._states)]
 

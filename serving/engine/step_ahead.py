@@ -1,6 +1,7 @@
-"""Async scheduling (`--async-scheduling`, vLLM's flag): step N+1 is scheduled, prepared and
-launched while step N still runs on the device, so the host's work for a step overlaps the
-device's instead of adding to it (docs/architecture.md, "A request's path").
+"""Async scheduling (`--async-scheduling`, vLLM's flag, on by default): step N+1 is
+scheduled, prepared and launched while step N still runs on the device, so the host's work
+for a step overlaps the device's instead of adding to it (docs/architecture.md, "A
+request's path").
 
 After step N is launched, `Scheduler.update_ahead` applies it without its tokens: each
 sampling request gets a placeholder output, and the stops that do not depend on the token
