@@ -49,9 +49,6 @@ class KVCache:
     def page_size(self) -> int:
         return self.k.shape[2]
 
-    def without_window(self) -> "KVCache":
-        return KVCache(self.k, self.v, self.k_scale, self.v_scale)
-
     @staticmethod
     def shape(cfg: ModelConfig, num_pages: int, page_size: int,
               num_layers: int | None = None) -> tuple[int, ...]:

@@ -129,7 +129,7 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
         routing = lora.route(batch.lora_slots, jax.tree.leaves(lora_slots)[0].shape[0])
     # A hybrid model's window layers read and write their own cache through their own page
     # table (model/kv_groups.py); the others, and every layer of a one-part cache, the main.
-    window_cache, cache = cache.window, cache.without_window()
+    window_cache, cache = cache.window, replace(cache, window=None)
     window_batch = batch.window_view() if window_cache is not None else None
     for i, (in_window, j) in enumerate(kv_layers(cfg, window_cache is not None)):
         variables = {"params": params["layers"][i]}

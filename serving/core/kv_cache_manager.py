@@ -88,10 +88,10 @@ class KVCacheManager:
                                != len(computed_pages) * self.page_size):
             raise ValueError("a cache hit only starts a request's page table")
         self.remove_skipped_pages(req)
-        if not self.can_allocate(req, num_new_tokens, computed_pages):
-            return False
         missing = self._missing(req, num_new_tokens, computed_pages)
         hit = _held(computed_pages)
+        if not self._fits(missing, hit):
+            return False
         if not pages and self.reads_cache(req):
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += len(computed_pages) * self.page_size
@@ -105,11 +105,13 @@ class KVCacheManager:
     def can_allocate(self, req: Request, num_new_tokens: int,
                      computed_pages: list[int] | None = None) -> bool:
         """Whether allocate_slots would succeed now (after remove_skipped_pages)."""
+        return self._fits(self._missing(req, num_new_tokens, computed_pages),
+                          _held(computed_pages or []))
+
+    def _fits(self, missing: int, hit: list[int]) -> bool:
         # Hit pages sitting in the free queue leave it, so they count against what is free.
-        revived = sum(1 for p in _held(computed_pages or [])
-                      if self.allocator.ref_count(p) == 0)
-        return (self._missing(req, num_new_tokens, computed_pages) + revived
-                <= self.allocator.num_free_pages)
+        revived = sum(1 for p in hit if self.allocator.ref_count(p) == 0)
+        return missing + revived <= self.allocator.num_free_pages
 
     def _missing(self, req: Request, num_new_tokens: int, computed_pages) -> int:
         needed = cdiv(req.num_computed_tokens + num_new_tokens, self.page_size)

@@ -44,10 +44,13 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.sliding_window < 0:
             raise ValueError("sliding_window must be >= 0")
+        if self.window_group and self.sliding_window:
+            raise ValueError("window_group (a hybrid model's window layers) and "
+                             "sliding_window (every layer's) exclude each other")
         if self.window_group:
             need = request_pages(self.window_group, self.max_num_batched_tokens,
                                  self.page_size)
-            if self.sliding_window or self.window_num_pages < need + 1:
+            if self.window_num_pages < need + 1:
                 raise ValueError(f"the window layers' pool needs at least {need + 1} pages "
                                  f"(one request's window and step), got "
                                  f"{self.window_num_pages}")
@@ -293,11 +296,8 @@ class Scheduler:
         changed = []
         for sr, token in zip(output.scheduled, sampled):
             req = sr.request
-            # Aborted (or preempted by a later schedule()) since this output was made.
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
+            if not self._applies(sr):
                 continue
-            self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
-                                                    sr.num_new_tokens), 0)
             if sr.spec_token_ids:
                 self._update_verified(sr, list(token))
                 changed.append(req)
@@ -329,10 +329,8 @@ class Scheduler:
         ahead = []
         for sr in output.scheduled:
             req = sr.request
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
+            if not self._applies(sr):
                 continue
-            self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
-                                                    sr.num_new_tokens), 0)
             req.num_computed_tokens += sr.num_new_tokens
             self.kv_cache_manager.cache_computed(req)
             if not sr.samples:
@@ -340,7 +338,7 @@ class Scheduler:
             ahead.append((req, req.num_output_tokens))
             req.output_token_ids.append(PLACEHOLDER_TOKEN)
             self.num_generation_tokens_total += 1
-            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self._max_len:
+            if self._at_length(req):
                 self.running.remove(req)
                 self._finish(req, RequestStatus.FINISHED_LENGTH, None)
         return ahead
@@ -409,9 +407,22 @@ class Scheduler:
         # A complete grammar ends the request, also at max_tokens: the output is whole.
         if req.grammar is not None and req.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED, None
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self._max_len:
+        if self._at_length(req):
             return RequestStatus.FINISHED_LENGTH, None
         return None
+
+    def _at_length(self, req: Request) -> bool:
+        return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self._max_len
+
+    def _applies(self, sr: ScheduledRequest) -> bool:
+        """Whether a scheduled request's step still applies (not aborted, nor preempted by
+        a later schedule(), since); if so its prompt tokens are counted."""
+        req = sr.request
+        if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
+            return False
+        self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
+                                                sr.num_new_tokens), 0)
+        return True
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
 from serving.core.sampling_params import SamplingParams
 from serving.core.kv_window import common_window, request_pages
 from serving.engine.kv_pools import WindowPool
-from serving.engine.step_ahead import InFlight, runs_ahead
+from serving.engine.step_ahead import InFlight, first_rows_by_request, runs_ahead
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
@@ -398,7 +398,7 @@ class LLMEngine:
             outputs.append(self._fail(req.request_id, f"structured output failed: {error}"))
         if self.drafter:
             self.drafter.propose(self.scheduler.running)
-        row = {s.request.request_id: r for s, r in zip(out.scheduled, arrays.first_rows)}
+        row = first_rows_by_request(out, arrays)
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
         return outputs
 

@@ -21,7 +21,7 @@ without the flag.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serving.core.request import Request
 from serving.core.scheduler import SchedulerOutput
@@ -35,12 +35,15 @@ class InFlight:
     arrays: StepArrays
     handle: object  # ModelRunner.dispatch's
     ahead: list[tuple[Request, int]]  # Scheduler.update_ahead's: request, placeholder index
+    rows: dict[str, int] = field(init=False)  # each request's first sampled row in the step
 
-    @property
-    def rows(self) -> dict[str, int]:
-        """Each scheduled request's first sampled row in the step."""
-        return {s.request.request_id: r
-                for s, r in zip(self.out.scheduled, self.arrays.first_rows)}
+    def __post_init__(self):
+        self.rows = first_rows_by_request(self.out, self.arrays)
+
+
+def first_rows_by_request(out: SchedulerOutput, arrays: StepArrays) -> dict[str, int]:
+    """Each scheduled request's first sampled row in the step."""
+    return {s.request.request_id: r for s, r in zip(out.scheduled, arrays.first_rows)}
 
 
 def runs_ahead(out: SchedulerOutput, engine) -> bool:
