@@ -310,7 +310,7 @@ class ModelRunner:
         if self.lora is not None and "lora_slots" not in arrays.batch:  # no request uses one
             arrays.batch["lora_slots"] = np.full(arrays.shape[0], -1, np.int32)
         buffers, layout = _pack(arrays)
-        args = (self.params, cache, self.placement.put(buffers) if put else buffers,
+        args = (self.params, cache, self.placement.send(buffers) if put else buffers,
                 self._history(arrays), self._bitmask(arrays), self._last_tokens)
         return args + ((self.lora.slots,) if self.lora is not None else ()), layout
 
@@ -321,7 +321,7 @@ class ModelRunner:
 
     def _history(self, arrays: StepArrays) -> jax.Array:
         if arrays.history is not None:
-            return self.placement.put(arrays.history)
+            return self.placement.send(arrays.history)
         shape = history_shape(arrays.shape, self.page_size)
         if shape not in self._no_history:
             self._no_history[shape] = self.placement.put(np.full(shape, -1, np.int32))
@@ -362,7 +362,7 @@ class ModelRunner:
     def _bitmask(self, arrays: StepArrays):
         """The step's bitmask, or (no constrained row) a resident one: nothing to send."""
         if arrays.bitmask is not None:
-            return self.placement.put(arrays.bitmask)
+            return self.placement.send(arrays.bitmask)
         R = arrays.shape[1]
         if R not in self._no_bitmask:
             self._no_bitmask[R] = self.placement.put(
