@@ -145,11 +145,16 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
     return x, cache
 
 
+def final_norm(params, hidden, cfg: ModelConfig):
+    """hidden: [N, hidden_size] from forward_hidden -> what the head multiplies."""
+    return norm(cfg).apply({"params": params["final_norm"]}, hidden)
+
+
 def compute_logits(params, hidden, cfg: ModelConfig, axis: str | None = None):
     """hidden: [N, hidden_size] from forward_hidden -> logits float32[N, V]. axis: the
     tensor-parallel mesh axis: each shard's vocabulary rows, gathered."""
     params = prepare_params(params)
-    x = norm(cfg).apply({"params": params["final_norm"]}, hidden)
+    x = final_norm(params, hidden, cfg)
     if "lm_head" not in params:  # tied, and not packed apart by prepare_params
         logits = matmul_t(x, params["embed"])
     else:

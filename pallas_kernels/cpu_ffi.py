@@ -31,7 +31,7 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
 # handler `xlaserve_<name>` (and the matmuls `xlaserve_<name>_grouped`, see grouped_matmul).
 KERNELS = ("q8_matmul", "q4_matmul", "q8_0_matmul", "paged_attention", "argmax", "masked_argmax",
-           "dense_matmul", "rms_norm")
+           "dense_matmul", "dense_argmax", "rms_norm")
 
 
 def cpu_signature() -> str:

@@ -7,11 +7,15 @@ The weight (float32, bfloat16 or float16; or 8-bit codes, int8 / float8_e4m3fn /
 float8_e5m2, with one float32 scale per output channel applied after the sum) is packed
 once, at load, in panels of 16 output channels (`pack_panels`); rows are computed in
 float32 and the result comes back in x's dtype.
+
+`dense_argmax` is the greedy head (cpu/dense_argmax.cc): each row's argmax over the product,
+the token `argmax_rows(dense_matmul(x, w))` gives, without writing the logits.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_ffi
 
@@ -22,6 +26,10 @@ CODE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")  # with a scale per outpu
 
 def kernel_available() -> bool:
     return jax.default_backend() == "cpu" and cpu_ffi.available("dense_matmul")
+
+
+def argmax_available() -> bool:
+    return jax.default_backend() == "cpu" and cpu_ffi.available("dense_argmax")
 
 
 def pack_panels(w):
@@ -54,3 +62,25 @@ def dense_matmul(x, panels, scale=None):
                          + ("need a scale per output channel" if eight_bit else "take no scale"))
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     return cpu_ffi.matmul("dense_matmul", x, n, panels, scale.reshape(-1))
+
+
+def dense_argmax(x, panels, scale=None, columns: int | None = None):
+    """x: float32[T, K] against w [K, N] (packed as for dense_matmul) -> int32[T], each row's
+    index of its largest output among the first `columns` (default N): the first index of
+    the maximum, a NaN counting as the maximum, as jnp.argmax."""
+    if not argmax_available():
+        raise RuntimeError("the CPU kernels are not available (no C++ compiler or no AVX2)")
+    n = panels.shape[1]
+    columns = n if columns is None else columns
+    if not 1 <= columns <= n:
+        raise ValueError(f"columns must be in [1, {n}], got {columns}")
+    if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.float32:
+        raise ValueError(f"dense_argmax takes float32 rows [T, K], got {x.dtype}{x.shape}")
+    eight_bit = jnp.dtype(panels.dtype).name in CODE_DTYPES
+    if eight_bit != (scale is not None):
+        raise ValueError(f"{jnp.dtype(panels.dtype).name} weights "
+                         + ("need a scale per output channel" if eight_bit else "take no scale"))
+    scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    call = jax.ffi.ffi_call("xlaserve_dense_argmax",
+                            jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return call(x, panels, scale.reshape(-1), columns=np.int64(columns))

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from model.batch import Batch
 from model.config import ModelConfig
+from model.greedy_head import greedy_tokens
 from model.transformer import compute_logits, forward_hidden
 from serving.engine.executable_cache import (ExecutableCache, avals_signature, load_or_compile,
                                              program_for)
@@ -26,7 +27,7 @@ from serving.engine.pooling import PoolingProgram
 from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blocks,
                                             prompt_logprobs)
 from serving.engine.rejection_sampler import emitted_rows
-from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample
+from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample_rows
 
 log = logging.getLogger("xlaserve")
 
@@ -50,8 +51,11 @@ def _step(params, cache, buffers, history, bitmask, last_tokens, lora_slots=None
     batch, draft_ids, row_start = split_batch(batch)
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend, axis, lora_slots)
     # Only ids the tokenizer has are sampled: padded embedding rows are never drawn.
-    logits = compute_logits(params, hidden[batch.logits_indices], cfg, axis)[:, :vocab_size]
-    sampled = sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
+    sampled = sample_rows(
+        hidden[batch.logits_indices],
+        lambda rows: compute_logits(params, rows, cfg, axis)[:, :vocab_size],
+        SamplingInputs(**sampling, token_bitmask=bitmask), num_top,
+        greedy=greedy_tokens(params, cfg, vocab_size, axis))
     emitted = emitted_rows(sampled.tokens, draft_ids, row_start)
     next_tokens = jnp.pad(sampled.tokens.astype(jnp.int32),
                           (0, last_tokens.shape[0] - sampled.tokens.shape[0]))

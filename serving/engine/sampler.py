@@ -136,45 +136,61 @@ def _when(mode: str, flag, stage, otherwise, *operands):
 
 def sample(logits, s: SamplingInputs, num_top: int = NUM_TOP_LOGPROBS,
            mode: str | None = None) -> SampleOutput:
-    """A step with a constrained row masks the logits first (logprobs see the constrained
+    """logits: f32[R, V] -> one token per row (see sample_rows)."""
+    return sample_rows(logits, lambda l: l, s, num_top, mode)
+
+
+def sample_rows(rows, head, s: SamplingInputs, num_top: int = NUM_TOP_LOGPROBS,
+                mode: str | None = None, greedy=None) -> SampleOutput:
+    """rows: [R, ...] that `head` turns into logits f32[R, V] (the final hidden states of the
+    sampled tokens, or the logits themselves with the identity). greedy: rows -> i32[R], the
+    argmax tokens without the logits (model/greedy_head.py), for a step where every row is
+    greedy, unconstrained and asks for nothing else; None: the argmax of head(rows).
+
+    A step with a constrained row masks the logits first (logprobs see the constrained
     distribution); any other step runs `_sample` as if there were no bitmask. (The mask
     inside `_sample` slowed XLA:CPU's plain greedy path ten times at 64 rows, masked or not.)
     Under "select" the mask is always applied: an all-ones mask changes nothing."""
     mode = mode or branch_mode()
     if mode not in BRANCH_MODES:
         raise ValueError(f"unknown branch mode {mode!r}; choose one of {BRANCH_MODES}")
-    if s.token_bitmask is None:
-        return _sample(logits, s, num_top, mode)
+    if mode == "select" or greedy is None:  # the logits once, before any branch
+        rows, head = head(rows), (lambda l: l)
     if mode == "select":
-        return _sample(logits, s, num_top, mode, s.token_bitmask)
+        return _sample(rows, head, s, num_top, mode, s.token_bitmask)
+    if s.token_bitmask is None:
+        return _sample(rows, head, s, num_top, mode, greedy=greedy)
     return jax.lax.cond(s.any_masked,
-                        lambda l: _sample(l, s, num_top, mode, s.token_bitmask),
-                        lambda l: _sample(l, s, num_top, mode), logits)
+                        lambda r: _sample(r, head, s, num_top, mode, s.token_bitmask),
+                        lambda r: _sample(r, head, s, num_top, mode, greedy=greedy), rows)
 
 
-def _sample(logits, s: SamplingInputs, num_top: int, mode: str,
-            bitmask=None) -> SampleOutput:
-    """logits: f32[R, V] -> one token per row. Each row's randomness depends only on its seed
+def _sample(rows, head, s: SamplingInputs, num_top: int, mode: str,
+            bitmask=None, greedy=None) -> SampleOutput:
+    """One token per row of head(rows). Each row's randomness depends only on its seed
     and output index, so a request samples the same tokens whatever else is in the batch.
     A step of greedy requests asking for nothing else takes the argmax alone (under "cond"),
     over the allowed tokens when there is a bitmask: the masked logits are then never
     written (XLA:CPU took milliseconds at 64 rows to write them and pass them into the
-    branch). mode: one of BRANCH_MODES."""
-    R, _ = logits.shape
+    branch); with `greedy`, not even the logits are. mode: one of BRANCH_MODES."""
+    R = rows.shape[0]
     K = max(num_top, 1)
 
     def masked(raw):
         return raw if bitmask is None else apply_token_bitmask(raw, bitmask)
 
-    def plain(raw):
-        tokens = argmax_rows(raw) if bitmask is None else masked_argmax(raw, bitmask)
+    def plain(r):
+        if bitmask is not None:
+            tokens = masked_argmax(head(r), bitmask)
+        else:
+            tokens = greedy(r) if greedy is not None else argmax_rows(head(r))
         return SampleOutput(tokens, jnp.zeros((R,), jnp.float32),
                             jnp.zeros((R, K), jnp.int32), jnp.zeros((R, K), jnp.float32))
 
     if mode == "select":  # every stage below selects its own result: no outer branch
-        return _sample_any(masked(logits), s, K, mode)
+        return _sample_any(masked(head(rows)), s, K, mode)
     extra = s.any_penalty | s.any_bias | s.any_random | s.any_logprobs
-    return jax.lax.cond(extra, lambda raw: _sample_any(masked(raw), s, K, mode), plain, logits)
+    return jax.lax.cond(extra, lambda r: _sample_any(masked(head(r)), s, K, mode), plain, rows)
 
 
 def _sample_any(logits, s: SamplingInputs, K: int, mode: str) -> SampleOutput:
