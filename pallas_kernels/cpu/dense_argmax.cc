@@ -24,7 +24,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using xlaserve::dense::kNR;
-using xlaserve::dense::Panel;
+using xlaserve::dense::Panels;
 using xlaserve::dense::Weights;
 
 constexpr int64_t kMaxChunkPanels = 64;  // 1024 columns
@@ -38,10 +38,11 @@ template <Weights W>
 void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, int64_t columns,
          const float* x, const char* w, size_t bytes, const float* scale, int32_t* out) {
   const int64_t panels = (columns + kNR - 1) / kNR;  // the panels holding counted columns
-  // A few chunks per thread, none wider than kMaxChunkPanels: any split gives the same tokens.
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per = std::clamp<int64_t>((panels + 4 * threads - 1) / (4 * threads), 1,
-                                          kMaxChunkPanels);
+  // Chunks as the matmul takes them, none wider than kMaxChunkPanels (the buffer a thread
+  // holds): any split gives the same tokens.
+  const int64_t per = std::min(
+      xlaserve::dense::PanelsPerChunk(K, columns, bytes, std::max<int64_t>(pool.num_threads(), 1)),
+      kMaxChunkPanels);
   const int64_t chunks = (panels + per - 1) / per;
   std::vector<float> best_value(chunks * T);
   std::vector<int32_t> best_index(chunks * T);
@@ -50,9 +51,7 @@ void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, int64_t columns
     std::vector<float> y(T * ld);
     for (int64_t c = begin; c < end; ++c) {
       const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);
-      for (int64_t p = p0; p < p1; ++p)
-        Panel<W>(T, x, K, w + p * K * kNR * bytes, std::min(kNR, N - p * kNR),
-                 scale ? scale + p * kNR : nullptr, y.data() + (p - p0) * kNR, ld);
+      Panels<W>(T, x, K, w, bytes, p0, p1, N, scale, y.data(), ld);
       const int64_t first = p0 * kNR, width = std::min(columns, p1 * kNR) - first;
       for (int64_t r = 0; r < T; ++r) {
         const int32_t i = xlaserve::RowArgmax(y.data() + r * ld, width);

@@ -23,18 +23,20 @@ namespace ffi = xla::ffi;
 namespace {
 
 using xlaserve::dense::kNR;
-using xlaserve::dense::Panel;
+using xlaserve::dense::Panels;
 using xlaserve::dense::Weights;
 
 // scale: float32[N], or null for float weights.
 template <Weights W>
 void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, const float* x,
          const char* w, size_t bytes, const float* scale, float* y) {
-  xlaserve::ParallelFor(pool, (N + kNR - 1) / kNR, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      Panel<W>(T, x, K, w + p * K * kNR * bytes, std::min(kNR, N - p * kNR),
-               scale ? scale + p * kNR : nullptr, y + p * kNR, N);
-  }, /*grain=*/4);
+  const int64_t panels = (N + kNR - 1) / kNR;
+  const int64_t per = xlaserve::dense::PanelsPerChunk(K, N, bytes, pool.num_threads());
+  xlaserve::ParallelFor(pool, (panels + per - 1) / per, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      Panels<W>(T, x, K, w, bytes, c * per, std::min(panels, (c + 1) * per), N, scale,
+                y + c * per * kNR, N);
+  });
 }
 
 // scale: float32[N] for 8-bit codes, float32[0] for float weights.
@@ -87,9 +89,8 @@ void RunGrouped(ffi::ThreadPool& pool, int64_t E, const int64_t* start, const in
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = i / panels, p = i % panels;
       if (sizes[e] == 0) continue;
-      Panel<W>(sizes[e], x + start[e] * K, K, w + (e * K * N + p * K * kNR) * bytes,
-               std::min(kNR, N - p * kNR), scale ? scale + e * N + p * kNR : nullptr,
-               y + start[e] * N + p * kNR, N);
+      Panels<W>(sizes[e], x + start[e] * K, K, w + e * K * N * bytes, bytes, p, p + 1, N,
+                scale ? scale + e * N : nullptr, y + start[e] * N + p * kNR, N);
     }
   });
 }
