@@ -6,6 +6,7 @@ as gathers plus small batched dots. The kernels here fill those two gaps on CPUs
 the Pallas kernels. They are compiled with the system C++ compiler (`-O3 -march=native`)
 into `~/.cache/xlaserve/cpu-kernels` (or `$XLASERVE_CPU_KERNEL_DIR`), keyed by the sources,
 the flags, the jaxlib version and the CPU, so a second process loads the library at once.
+The first kernel asked for builds every missing library, a compiler per core.
 
 `available(kernel)` is False where there is no compiler or no x86-64 AVX2/FMA CPU; callers
 then keep the plain-XLA path. `XLASERVE_CPU_KERNELS=0` turns the kernels off.
@@ -20,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -75,6 +77,17 @@ def _build(compiler: str, source: Path, out: Path) -> None:
         os.replace(tmp_out, out)  # atomic: a concurrent builder sees all of it or nothing
 
 
+def _build_missing(compiler: str) -> None:
+    """Builds every kernel whose library is not in the cache, one compiler a core: a first
+    start needs most of them, and one at a time they took ~30 s of a cold start."""
+    sources = [SOURCE_DIR / f"{k}.cc" for k in KERNELS]
+    missing = [(src, _library_path(compiler, src)) for src in sources]
+    missing = [(src, out) for src, out in missing if not out.exists()]
+    with ThreadPoolExecutor(max(1, min(len(missing), os.cpu_count() or 1))) as pool:
+        for done in [pool.submit(_build, compiler, src, out) for src, out in missing]:
+            done.result()  # a failed build raises here
+
+
 def _compiler() -> str | None:
     if os.environ.get("XLASERVE_CPU_KERNELS", "1") == "0" or not _cpu_supported():
         return None
@@ -92,10 +105,9 @@ def _load(kernel: str) -> bool:
     compiler = _compiler()
     if compiler is None:
         return False
-    source = SOURCE_DIR / f"{kernel}.cc"
-    path = _library_path(compiler, source)
+    path = _library_path(compiler, SOURCE_DIR / f"{kernel}.cc")
     if not path.exists():
-        _build(compiler, source, path)
+        _build_missing(compiler)
     lib = ctypes.cdll.LoadLibrary(str(path))
     name = f"xlaserve_{kernel}"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")

@@ -77,17 +77,18 @@ def split_batch(arrays: dict) -> tuple[Batch, object, object]:
 
 def _pack(arrays: StepArrays):
     """-> (flat buffers, one per dtype; layout)."""
-    named = [("batch", k, v) for k, v in arrays.batch.items()]
-    named += [("sampling", k, v) for k, v in arrays.sampling.items()]
-    dtypes = sorted({np.dtype(v.dtype).str for _, _, v in named})
+    by_dtype: dict[str, list] = {}
+    for group, named in (("batch", arrays.batch), ("sampling", arrays.sampling)):
+        for k, v in named.items():
+            v = np.asarray(v)
+            by_dtype.setdefault(v.dtype.str, []).append((group, k, v))
     buffers, layout = [], []
-    for dt in dtypes:
-        parts = [(g, k, np.asarray(v)) for g, k, v in named if np.dtype(v.dtype).str == dt]
+    for dt in sorted(by_dtype):
         offset = 0
-        for g, k, v in parts:
+        for g, k, v in by_dtype[dt]:
             layout.append((g, k, dt, v.shape, offset))
             offset += v.size
-        buffers.append(np.concatenate([v.reshape(-1) for _, _, v in parts]))
+        buffers.append(np.concatenate([v.reshape(-1) for _, _, v in by_dtype[dt]]))
     return tuple(buffers), tuple(layout)
 
 
