@@ -99,7 +99,9 @@ class KVCacheManager:
         if not pages:
             self._num_cached[req.request_id] = len(computed_pages)
             self._num_skipped[req.request_id] = len(computed_pages) - len(hit)
-        self._pages[req.request_id] = pages + computed_pages + self.allocator.allocate(missing)
+        if missing or computed_pages or req.request_id not in self._pages:
+            self._pages[req.request_id] = (pages + computed_pages
+                                           + self.allocator.allocate(missing))
         return True
 
     def can_allocate(self, req: Request, num_new_tokens: int,
