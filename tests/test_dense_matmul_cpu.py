@@ -127,3 +127,38 @@ def test_scale_goes_with_codes_only():
         dense_matmul(jnp.ones((1, 8)), pack_panels(codes))
     with pytest.raises(ValueError, match="take no scale"):
         dense_matmul(jnp.ones((1, 8)), pack_panels(_weights(8, 16, "float32")), scale)
+
+
+@pytest.mark.skipif("avx512f" not in cpu_ffi.cpu_signature(), reason="needs an AVX-512 CPU to "
+                    "run both builds; tests/test_kernel_build.py compiles both anywhere")
+def test_the_avx2_and_avx512_tiles_give_the_same_bits(tmp_path):
+    """The kernel built without AVX-512 (6-row tiles of two registers) against the one this
+    CPU loads (12-row tiles of one register): every output is the same FMA chain, so the
+    same bits, for every weight form, a narrow panel and tile remainders."""
+    import ctypes
+    import shutil
+    import subprocess
+    source = cpu_ffi.SOURCE_DIR / "dense_matmul.cc"
+    out = tmp_path / "dense_matmul_avx2.so"
+    subprocess.run([shutil.which("g++") or "g++", *cpu_ffi.FLAGS, "-mno-avx512f",
+                    f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)], check=True,
+                   capture_output=True)
+    lib = ctypes.cdll.LoadLibrary(str(out))
+    jax.ffi.register_ffi_target("test_dense_matmul_avx2", jax.ffi.pycapsule(
+        lib.xlaserve_dense_matmul), platform="cpu")
+    rng = np.random.default_rng(5)
+    for dtype in ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"]:
+        for T, K, N in [(1, 64, 4096), (37, 576, 1544), (256, 64, 4099)]:
+            x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+            if dtype in ("float32", "bfloat16", "float16"):
+                w, scale = _weights(K, N, dtype, seed=T), None
+            else:
+                w, scale = _codes(K, N, dtype, seed=T)
+            panels = pack_panels(w)
+            got = np.asarray(dense_matmul(x, panels, scale))
+            other = jax.ffi.ffi_call("test_dense_matmul_avx2",
+                                     jax.ShapeDtypeStruct((T, N), jnp.float32))(
+                x, panels, jnp.zeros((0,), jnp.float32) if scale is None else scale)
+            np.testing.assert_array_equal(got.view(np.uint32),
+                                          np.asarray(other).view(np.uint32),
+                                          err_msg=f"{dtype} {T}x{K}x{N}")
