@@ -2,7 +2,7 @@
 
     out = scheduler.schedule()               # host: who runs, how many tokens, which pages
     handle = runner.dispatch(prepare(out))   # device: one compiled program per bucket
-    outputs = self._emit(last step)          # host: detokenize while the device works
+    outputs = self.outputs.emit(last step)   # host: detokenize while the device works
     scheduler.update(out, runner.fetch(handle).tokens)
 """
 from __future__ import annotations
@@ -27,15 +27,13 @@ from model.kv_cache import bytes_per_page
 from quant.recipe import Recipe, describe as describe_quantization
 from serving.engine import demo_defaults, memory_plan, mesh, multiprocess, sizing
 from serving.core.config import EngineConfig
-from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.faults import Faults
 from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weights, model_key,
                                         request_vocab_size)
 from serving.core import grammar as structured
 from serving.engine.input_prep import all_step_shapes, padding_step, prepare
-from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_logprobs
 from serving.engine.parallel_sampling import ParentRequest
-from serving.core.outputs import RequestOutput, TokenLogprob
+from serving.core.outputs import RequestOutput
 from serving.core.request import Request
 from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
@@ -49,24 +47,13 @@ from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
 from serving.engine.draft_model import DraftModel
 from serving.engine.embedder import Embedder, check_task
-from serving.core.pooling import EmbeddingCollector
 from serving.core.pooling_params import PoolingParams, resolve_task
-from serving.engine.spec_outputs import emitted_tokens, feed_until_stop
+from serving.engine.output_processor import OutputProcessor
+from serving.engine.spec_outputs import emitted_tokens
 from serving.engine.lora_slots import start_lora
 from serving.lora.request import LoRAError, LoRARequest
 
 log = logging.getLogger("xlaserve")
-
-
-@dataclass
-class _State:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    num_emitted: int = 0  # output tokens already sent
-    prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
-    parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
-    index: int = 0  # which of the parent's n samples
-    embedding: EmbeddingCollector | None = None  # an embedding request's pooled rows
 
 
 @dataclass
@@ -192,15 +179,23 @@ class LLMEngine:
             self.speculative_config, self.draft and self.draft.proposer(
                 self.speculative_config, self.scheduler, self.num_pages, self.buckets,
                 ec.max_num_seqs))
-        self._states: dict[str, _State] = {}  # by the sample's own request id
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._flight: InFlight | None = None  # a step applied ahead (step_ahead.py)
         self._seeds = random.Random(ec.seed)
         self.warmup_report: WarmupReport | None = None
-        self.faults: Faults | None = Faults.from_env()  # test hook, off unless configured
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self.faults = Faults.from_env()  # test hook, off unless configured
         self._grammar_compiler: structured.GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+
+    @property
+    def faults(self) -> Faults | None:
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: Faults | None) -> None:
+        self._faults = self.outputs.faults = faults
 
     @property
     def grammar_compiler(self) -> structured.GrammarCompiler:
@@ -298,7 +293,7 @@ class LLMEngine:
         parent = ParentRequest.expand(request_id, prompt_token_ids, params,
                                       partial(self._make_request, lora=adapter))
         first, *rest = parent.children
-        if any(c.request_id in self._states for c in rest):  # held ones: not in the scheduler
+        if any(c.request_id in self.outputs.states for c in rest):  # held ones: not in the scheduler
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add_request(first)  # the rest cannot fail after this
         if self.scheduler.config.enable_prefix_caching:
@@ -307,14 +302,7 @@ class LLMEngine:
             for child in rest:
                 self.scheduler.add_request(child)
         for i, child in enumerate(parent.children):
-            p = child.sampling_params
-            detok = self.tokenizer and IncrementalDetokenizer(
-                self.tokenizer, child.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                min_tokens=p.min_tokens)
-            prompt_lps = (None if p.prompt_logprobs is None else
-                          PromptLogprobsCollector(child.prompt_token_ids, p.prompt_logprobs))
-            self._states[child.request_id] = _State(child, detok, prompt_logprobs=prompt_lps,
-                                                    parent_id=request_id, index=i)
+            self.outputs.add(child, request_id, i)
         if rest:
             self._parents[request_id] = parent
 
@@ -323,7 +311,7 @@ class LLMEngine:
         req, collector = self.embedder.make_request(request_id, prompt_token_ids, params,
                                                     self.vocab_size)
         self.scheduler.add_request(req)
-        self._states[request_id] = _State(req, None, parent_id=request_id, embedding=collector)
+        self.outputs.add_pooling(req, collector)
 
     def _adapter(self, lora_request: LoRARequest | None):
         if lora_request is None:
@@ -348,9 +336,9 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         for child in parent.children if parent else []:
             self.scheduler.abort(child.request_id)
-            self._states.pop(child.request_id, None)
+            self.outputs.forget(child.request_id)
         self.scheduler.abort(request_id)
-        self._states.pop(request_id, None)
+        self.outputs.forget(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -362,10 +350,10 @@ class LLMEngine:
         for request_id, parent in list(self._parents.items()):
             if parent.held and parent.ready_to_release():
                 for child in parent.held:
-                    if child.request_id in self._states:
+                    if child.request_id in self.outputs.states:
                         self.scheduler.add_request(child)
                 parent.held = []
-            if all(c.request_id not in self._states for c in parent.children):
+            if all(c.request_id not in self.outputs.states for c in parent.children):
                 del self._parents[request_id]
 
     def step(self) -> list[RequestOutput]:
@@ -390,12 +378,13 @@ class LLMEngine:
             return outputs
         result = self.runner.fetch(handle)
         if result.prompt is not None:
-            self._collect_prompt_logprobs(out, result)
+            self.outputs.collect_prompt_logprobs(out, result.prompt)
         if result.pooled is not None:
-            self.embedder.collect(out, result.pooled, self._collector_of)
+            self.embedder.collect(out, result.pooled, self.outputs.collector_of)
         changed = self.scheduler.update(out, emitted_tokens(out, arrays.first_rows, result))
         for req, error in structured.advance(self._grammar_compiler, changed):
-            outputs.append(self._fail(req.request_id, f"structured output failed: {error}"))
+            outputs.append(self.outputs.fail(req.request_id,
+                                             f"structured output failed: {error}"))
         if self.drafter:
             self.drafter.propose(self.scheduler.running)
         row = first_rows_by_request(out, arrays)
@@ -410,23 +399,11 @@ class LLMEngine:
             return []
         result = self.runner.fetch(flight.handle)
         if result.prompt is not None:
-            self._collect_prompt_logprobs(flight.out, result)
+            self.outputs.collect_prompt_logprobs(flight.out, result.prompt)
         rows = flight.rows
         tokens = [int(result.tokens[rows[req.request_id]]) for req, _ in flight.ahead]
         changed = self.scheduler.resolve(flight.ahead, tokens)
-        return self._emit(_Pending(changed, [rows[r.request_id] for r in changed], result))
-
-    def _collect_prompt_logprobs(self, out: SchedulerOutput, result: StepResult) -> None:
-        row_start = 0
-        for s in out.scheduled:
-            st = self._states.get(s.request.request_id)
-            if st is not None and st.prompt_logprobs is not None and wants_prompt_logprobs(s):
-                st.prompt_logprobs.add(s, row_start, result.prompt)
-            row_start += s.num_new_tokens
-
-    def _collector_of(self, request_id: str) -> EmbeddingCollector | None:
-        st = self._states.get(request_id)
-        return st and st.embedding
+        return self.outputs.emit(changed, [rows[r.request_id] for r in changed], result)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error (after a failed step), freeing its pages."""
@@ -436,14 +413,7 @@ class LLMEngine:
             with contextlib.suppress(Exception):
                 self.runner.fetch(flight.handle)
         self._parents.clear()
-        return [self._fail(request_id, error) for request_id in list(self._states)]
-
-    def _fail(self, request_id: str, error: str) -> RequestOutput:
-        """Ends one request with an error and frees its pages."""
-        st = self._states.pop(request_id)
-        self.scheduler.abort(request_id)
-        return RequestOutput(st.parent_id, st.request.prompt_token_ids, finished=True,
-                             finish_reason="error", error=error, index=st.index)
+        return self.outputs.fail_all(error)
 
     def _build(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None):
         if self.faults:
@@ -470,62 +440,13 @@ class LLMEngine:
             try:
                 self._build(SchedulerOutput([s]), prev_rows)
             except Exception as e:  # noqa: BLE001 - this request is at fault
-                failed.append(self._fail_alone(s.request.request_id, "sampling inputs", e))
+                failed.append(self.outputs.fail_alone(s.request.request_id, "sampling inputs",
+                                                      e))
                 gone.add(s.request.request_id)
         kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
                                out.preempted)
         return kept, (self._build(kept, prev_rows) if kept.scheduled else None), failed
 
-    def _fail_alone(self, request_id: str, what: str, exc: Exception) -> RequestOutput:
-        error = f"{what} failed: {type(exc).__name__}: {exc}"
-        log.error("request %s: %s", request_id, error)
-        return self._fail(request_id, error)
-
     def _emit_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, _Pending()
-        return self._emit(p)
-
-    def _emit(self, p: _Pending) -> list[RequestOutput]:
-        outputs = []
-        for req, row in zip(p.requests, p.rows):
-            st = self._states.get(req.request_id)
-            if st is None:
-                continue
-            try:
-                outputs.append(self._output(st, p.result, row))
-            except Exception as e:  # noqa: BLE001 - fails this request only
-                outputs.append(self._fail_alone(req.request_id, "detokenization", e))
-        return outputs
-
-    def _output(self, st: _State, result: StepResult, row: int) -> RequestOutput:
-        req = st.request
-        queue_time = None
-        if st.num_emitted == 0 and req.first_scheduled_time is not None:
-            queue_time = req.first_scheduled_time - req.arrival_time
-        new_ids = req.output_token_ids[st.num_emitted:]
-        if self.faults:
-            self.faults.check("detokenize", [req])
-        new_text, stop, new_ids = (feed_until_stop(st.detokenizer, new_ids) if st.detokenizer
-                                   else ("", None, new_ids))
-        st.num_emitted += len(new_ids)
-        if stop is not None:
-            self.scheduler.stop_on_string(req, stop, st.num_emitted)
-        elif req.is_finished and st.detokenizer:
-            new_text += st.detokenizer.flush()
-        new_logprobs = None
-        if (k := req.sampling_params.logprobs) is not None:
-            new_logprobs = []
-            for j, token in enumerate(new_ids):  # a verifying step: its rows in order
-                top = list(zip(result.top_ids[row + j, :k].tolist(),
-                               result.top_logprobs[row + j, :k].tolist()))
-                new_logprobs.append(TokenLogprob(token, float(result.logprob[row + j]), top))
-        prompt_logprobs = None
-        if st.prompt_logprobs is not None:  # the first token: the prefill is done
-            prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
-        embedding = st.embedding.embedding() if st.embedding and req.is_finished else None
-        if req.is_finished:
-            del self._states[req.request_id]
-        return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
-                             new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
-                             queue_time=queue_time, prompt_logprobs=prompt_logprobs,
-                             index=st.index, embedding=embedding)
+        return self.outputs.emit(p.requests, p.rows, p.result)
