@@ -21,11 +21,9 @@ import jax
 
 from model.attention import resolve_backend
 from model.checkpoint import param_bytes
-from model.config import KV_CACHE_DTYPES
-from model.formats import PREQUANTIZED_METHODS
 from model.kv_cache import bytes_per_page
-from quant.recipe import Recipe, describe as describe_quantization
-from serving.engine import demo_defaults, memory_plan, mesh, multiprocess, sizing
+from quant.recipe import describe as describe_quantization
+from serving.engine import demo_defaults, engine_setup, memory_plan, mesh, multiprocess, sizing
 from serving.core.config import EngineConfig
 from serving.engine.faults import Faults
 from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weights, model_key,
@@ -39,8 +37,6 @@ from serving.core.request_checks import check_logprobs, check_request_token_ids
 from serving.engine.runner import (ModelRunner, StepResult, WarmupReport,
                                    disable_jax_compilation_cache)
 from serving.core.sampling_params import SamplingParams
-from serving.core.kv_window import common_window, request_pages
-from serving.engine.kv_pools import WindowPool
 from serving.engine.step_ahead import InFlight, first_rows_by_request, runs_ahead
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
@@ -75,17 +71,11 @@ class LLMEngine:
         ec = self.config = demo_defaults.resolve(ec, on_gpu)
         disable_jax_compilation_cache()
         self.attention_backend = resolve_backend(ec.attention_backend)
-        if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
-                             + ", ".join(KV_CACHE_DTYPES))
-        if ec.quantize and ec.quantize not in PREQUANTIZED_METHODS:
-            Recipe.parse(ec.quantize)  # a bad spec fails before the weights load
+        engine_setup.check_config(ec)
         self.speculative_config = SpeculativeConfig.parse(ec.speculative_config)
         self.task = resolve_task(ec.task, ec.runner)
         if self.task == "embed" and self.speculative_config:
             raise ValueError("--speculative-config is for generation, not --task embed")
-        if not (isinstance(ec.max_logprobs, int) and ec.max_logprobs >= 0):
-            raise ValueError(f"max_logprobs must be a non-negative integer, got {ec.max_logprobs!r}")
         self.model_dir = sizing.resolve_model_dir(ec.model, ec.tokenizer)
         mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
                                         every_device=self.cluster is not None,
@@ -129,42 +119,11 @@ class LLMEngine:
                                   max_rows=(ec.request_buckets or (ec.max_num_seqs,))[-1])
         del params
         self.lora = start_lora(ec, self.runner, self.task) if ec.enable_lora else None
-        self.memory_plan = None
-        # A draft model reads its own K/V on the target's pages from position 0 on
-        # (core/draft_proposer.py), so with one no page goes back early.
-        window = 0 if self.draft else common_window(self.cfg.sliding_windows)
-        seq_pages = request_pages(window, self.max_num_batched_tokens, ec.page_size)
-        # A hybrid model's window layers on a pool of their own (model/kv_groups.py); not
-        # with a draft model (as above) nor over several processes.
-        pool = (None if self.draft or self.cluster is not None else WindowPool.of(
-            self.cfg, self.placement.model_cfg, ec.page_size, ec.kv_cache_dtype,
-            self.max_num_batched_tokens, ec.max_num_seqs))
-        if pool:
-            page_bytes = pool.full_page_bytes
-            self.runner.hybrid_kv = True
-        limit = mesh.gpu_memory_limit(self.placement)
-        if limit:
-            self.memory_plan = sizing.gpu_plan(
-                ec, self.cfg, page_bytes,
-                self.device_weight_bytes() + (self.draft.weight_bytes if self.draft else 0),
-                limit, self._activation_peak, seq_pages, pool)
-            log.info("%s", self.memory_plan.describe())
-            self.max_model_len, self.num_pages = (self.memory_plan.max_model_len,
-                                                  self.memory_plan.num_pages)
-            self.window_num_pages = self.memory_plan.window_pages
-        else:
-            self.max_model_len = sizing.max_model_len(self.cfg, ec.max_model_len)
-            kv_dtype = self.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
-            self.num_pages, self.window_num_pages = sizing.num_pages_hybrid(
-                ec, page_bytes, pool, self.max_model_len, kv_dtype,
-                devices=self.placement.size, seq_pages=seq_pages)
-        if self.cluster is not None:
-            self.max_model_len, self.num_pages = multiprocess.agree(self.max_model_len,
-                                                                    self.num_pages)
-        self.buckets = sizing.buckets(ec, self.max_model_len, self.max_num_batched_tokens,
-                                      self.attention_backend)
-        self.kv_cache_bytes = (self.num_pages * page_bytes + (
-            pool.bytes(self.window_num_pages) if pool else 0)) * self.placement.size
+        plan = engine_setup.plan_cache(self, page_bytes)
+        self.memory_plan, self.max_model_len = plan.memory_plan, plan.max_model_len
+        self.num_pages, self.window_num_pages = plan.num_pages, plan.window_num_pages
+        self.buckets, self.kv_cache_bytes = plan.buckets, plan.kv_cache_bytes
+        window, pool = plan.window, plan.pool
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
@@ -258,26 +217,7 @@ class LLMEngine:
         return report
 
     def describe(self) -> str:
-        b = self.buckets
-        return (f"model {self.model_dir} ({self.cfg.architecture}, {self.cfg.dtype}), "
-                f"weights {self.weight_bytes / 2**20:.0f} MiB ({self.quantization}), "
-                f"KV cache {self.config.kv_cache_dtype} "
-                f"{self.kv_cache_bytes / 2**20:.0f} MiB = {self.num_pages - 1} pages of "
-                f"{self.config.page_size} tokens; attention {self.attention_backend}; max_model_len {self.max_model_len}; buckets: "
-                f"tokens {list(b.tokens)}, requests {list(b.requests)}, pages {list(b.pages)} "
-                f"-> {len(self.step_shapes)} programs; prefix caching "
-                f"{'on' if self.config.enable_prefix_caching else 'off'}"
-                + (f"; speculative decoding {self._spec_description()}" if self.drafter else "")
-                + (f"; {self.embedder.describe()}" if self.embedder else "")
-                + (f"; {self.memory_plan.describe()}" if self.memory_plan else ""))
-
-    def _spec_description(self) -> str:
-        c = self.speculative_config
-        how = (f"lookup {c.prompt_lookup_min}-{c.prompt_lookup_max}" if self.draft is None
-               else f"draft model {self.draft.model_dir} ({self.draft.cfg.architecture}, "
-                    f"{len(self.draft.shapes)} programs)")
-        return (f"{c.method}, {c.num_speculative_tokens} tokens, {how}, off above "
-                f"{c.disable_by_batch_size} running requests")
+        return engine_setup.describe(self)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
