@@ -263,3 +263,56 @@ def test_random_steps_equal_the_request_by_request_arrays(seed):
     for name, value in want.items():
         np.testing.assert_array_equal(arr.batch[name], value, err_msg=name)
         assert arr.batch[name].dtype == value.dtype, name
+
+
+def sampling_one_by_one(sched, R):
+    """Each row's sampling values read from its request, and the flags from the params:
+    what the table of requests' fixed rows must give."""
+    rows = [(s, j) for s in sched for j in range(s.num_rows)]
+    params = [s.request.sampling_params for s, _ in rows]
+    pad = R - len(rows)
+    want = {name: np.array([getattr(p, name) for p in params] + [fill] * pad, dtype)
+            for name, dtype, fill in (
+                ("temperature", np.float32, 0.0), ("top_k", np.int32, 0),
+                ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
+                ("repetition_penalty", np.float32, 1.0), ("presence_penalty", np.float32, 0.0),
+                ("frequency_penalty", np.float32, 0.0))}
+    want["seed"] = np.array([s.request.seed for s, _ in rows] + [0] * pad, np.uint32)
+    want["num_prompt"] = np.array([s.request.num_prompt_tokens for s, _ in rows] + [0] * pad,
+                                  np.int32)
+    want["output_index"] = np.array(
+        [s.request.num_output_tokens + j for s, j in rows] + [0] * pad, np.int32)
+    flags = dict(any_penalty=any(p.uses_penalties for p in params),
+                 any_bias=any(p.logit_bias for p in params),
+                 any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+                                for p in params if not p.greedy),
+                 any_random=any(not p.greedy for p in params),
+                 any_logprobs=any(p.logprobs is not None for p in params))
+    return want, flags
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_sampling_params_equal_the_row_by_row_values(seed):
+    rng = random.Random(seed)
+    sched = []
+    for i in range(rng.randint(1, MAX_SEQS)):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.0, 0.7, 1.3]), top_k=rng.choice([0, 0, 5]),
+            top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.0, 0.05]),
+            repetition_penalty=rng.choice([1.0, 1.0, 1.1]),
+            presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, 0.0, -0.3]),
+            logit_bias=rng.choice([None, None, {3: 1.5}]),
+            logprobs=rng.choice([None, None, 2]), seed=rng.randrange(2**32))
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))]
+        outputs = [rng.randrange(3, 500) for _ in range(rng.randint(0, 5))]
+        total = len(prompt) + len(outputs)
+        sched.append(scheduled(prompt, outputs, total - 1, 1, [1 + i, 20 + i], params,
+                               seed=params.seed))
+    arr = prepare(SchedulerOutput(sched), BUCKETS, PAGE, MAX_SEQS)
+    want, flags = sampling_one_by_one(sched, arr.shape[1])
+    for name, value in want.items():
+        np.testing.assert_array_equal(arr.sampling[name], value, err_msg=name)
+        assert arr.sampling[name].dtype == value.dtype, name
+    for name, value in flags.items():
+        assert bool(arr.sampling[name]) == value, name

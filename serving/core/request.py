@@ -2,15 +2,30 @@
 from __future__ import annotations
 
 import enum
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from serving.core.sampling_params import SamplingParams
 
 # An output token sampled by a step still running on the device (async scheduling,
 # Scheduler.update_ahead): it holds the token's place until Scheduler.resolve writes it.
 PLACEHOLDER_TOKEN = -1
+
+
+# Request.sampling_row's fields; padding rows send PAD_SAMPLING_ROW
+SAMPLING_ROW = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty", "seed", "num_prompt", "has_bias",
+                "has_logprobs")
+
+
+def sampling_row(*values) -> bytes:
+    return struct.pack(f"<{len(SAMPLING_ROW)}d", *values)
+
+
+PAD_SAMPLING_ROW = sampling_row(0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, False, False)
 
 
 class RequestStatus(enum.Enum):
@@ -97,6 +112,16 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @cached_property
+    def sampling_row(self) -> bytes:
+        """What a step's sampled row sends for this request and never changes: SAMPLING_ROW's
+        values as float64s, packed (serving/engine/input_prep.py joins a step's rows into
+        one table; float64 holds every int32 and uint32 exactly)."""
+        p = self.sampling_params
+        return sampling_row(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                            p.presence_penalty, p.frequency_penalty, self.seed,
+                            self.num_prompt_tokens, bool(p.logit_bias), p.logprobs is not None)
 
     @property
     def max_tokens(self) -> int:

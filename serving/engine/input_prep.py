@@ -12,7 +12,7 @@ import numpy as np
 from serving.core.buckets import Buckets
 from serving.core.grammar import step_bitmask
 from serving.core.sampling_params import MAX_LOGIT_BIAS
-from serving.core.request import PLACEHOLDER_TOKEN
+from serving.core.request import PAD_SAMPLING_ROW, PLACEHOLDER_TOKEN, SAMPLING_ROW
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput
 from serving.core.prompt_logprobs import wants_prompt_logprobs
 from serving.core.pooling import pooling_rows
@@ -201,38 +201,39 @@ def history_shape(shape: tuple[int, int, int], page_size: int) -> tuple[int, int
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
+    """Every row's sampling values from one table of the requests' fixed rows
+    (Request.sampling_row, built once per request): a few whole-column numpy operations
+    a step, not one Python pass per value."""
     rows = _rows(out.scheduled)
-    params = [s.request.sampling_params for s, _ in rows]
     pad = R - len(rows)
-
-    def col(values, dtype, fill):
-        return np.asarray(list(values) + [fill] * pad, dtype)
-
-    arrays = dict(
-        temperature=col((p.temperature for p in params), np.float32, 0.0),
-        top_k=col((p.top_k for p in params), np.int32, 0),
-        top_p=col((p.top_p for p in params), np.float32, 1.0),
-        min_p=col((p.min_p for p in params), np.float32, 0.0),
-        seed=col((s.request.seed for s, _ in rows), np.uint32, 0),
-        output_index=col((s.request.num_output_tokens + j for s, j in rows), np.int32, 0),
-        repetition_penalty=col((p.repetition_penalty for p in params), np.float32, 1.0),
-        presence_penalty=col((p.presence_penalty for p in params), np.float32, 0.0),
-        frequency_penalty=col((p.frequency_penalty for p in params), np.float32, 0.0),
-        num_prompt=col((s.request.num_prompt_tokens for s, _ in rows), np.int32, 0),
-    )
-    any_penalty = any(p.uses_penalties for p in params)
-    any_bias = any(p.logit_bias for p in params)
+    table = np.frombuffer(b"".join([s.request.sampling_row for s, _ in rows]
+                                   + [PAD_SAMPLING_ROW] * pad), "<f8").reshape(R, -1)
+    column = dict(zip(SAMPLING_ROW, table.T))
+    f32 = {k: column[k].astype(np.float32) for k in (
+        "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty")}
+    output_index = np.zeros(R, np.int32)
+    output_index[:len(rows)] = [s.request.num_output_tokens + j for s, j in rows]
+    arrays = dict(f32, top_k=column["top_k"].astype(np.int32),
+                  seed=column["seed"].astype(np.uint32), output_index=output_index,
+                  num_prompt=column["num_prompt"].astype(np.int32))
+    # Padding rows are greedy and neutral, so the flags can look at every row (at the
+    # values the requests gave, as SamplingParams.greedy and .uses_penalties do).
+    random = column["temperature"] != 0.0
+    any_penalty = bool(((column["presence_penalty"] != 0.0)
+                        | (column["frequency_penalty"] != 0.0)
+                        | (column["repetition_penalty"] != 1.0)).any())
+    any_bias = bool(column["has_bias"].any())
     # Only biased steps pay for these arrays; others send placeholders of a fixed shape so
     # the program does not change.
     arrays["bias_ids"], arrays["bias_values"] = (
-        _bias(params, R) if any_bias else (_placeholder((R, MAX_LOGIT_BIAS)),
-                                           np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
+        _bias([s.request.sampling_params for s, _ in rows], R) if any_bias
+        else (_placeholder((R, MAX_LOGIT_BIAS)), np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
+    filtered = (column["top_k"] > 0) | (column["top_p"] < 1.0) | (column["min_p"] > 0.0)
     arrays.update(
         any_penalty=np.bool_(any_penalty), any_bias=np.bool_(any_bias),
-        any_filter=np.bool_(any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
-                                for p in params if not p.greedy)),
-        any_random=np.bool_(any(not p.greedy for p in params)),
-        any_logprobs=np.bool_(any(p.logprobs is not None for p in params)))
+        any_filter=np.bool_((filtered & random).any()), any_random=np.bool_(random.any()),
+        any_logprobs=np.bool_(column["has_logprobs"].any()))
     return arrays
 
 
