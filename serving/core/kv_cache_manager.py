@@ -82,8 +82,11 @@ class KVCacheManager:
         taking computed_pages (a hit from get_computed_pages, which then covers the first
         num_computed_tokens) as its leading pages. False if short of pages, changing
         nothing but giving back pages the window no longer reads."""
-        computed_pages = computed_pages or []
         pages = self._pages.get(req.request_id, [])
+        if (not computed_pages and pages and not self.sliding_window
+                and req.num_computed_tokens + num_new_tokens <= len(pages) * self.page_size):
+            return True  # most decode steps: the last page has room
+        computed_pages = computed_pages or []
         if computed_pages and (pages or req.num_computed_tokens
                                != len(computed_pages) * self.page_size):
             raise ValueError("a cache hit only starts a request's page table")

@@ -61,9 +61,12 @@ class IncrementalDetokenizer:
         None). After a stop string has been hit, further ids are ignored."""
         if self.stop_hit is not None:
             return "", None
-        self._ids.extend(t for t in token_ids if t not in self._skip_ids)
+        skip = self._skip_ids
+        for t in token_ids:
+            if t not in skip:
+                self._ids.append(t)
         self._num_added += len(token_ids)
-        if self._num_added <= self.min_tokens:  # no stop string yet: release everything
+        if not self.stop or self._num_added <= self.min_tokens:  # nothing to hold back
             new_text = self._decode_new()
             if new_text:
                 self._emitted.append(new_text)

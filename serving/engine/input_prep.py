@@ -200,40 +200,48 @@ def history_shape(shape: tuple[int, int, int], page_size: int) -> tuple[int, int
     return R, P * page_size
 
 
+_COLUMN = {name: i for i, name in enumerate(SAMPLING_ROW)}
+_NEUTRAL = np.frombuffer(PAD_SAMPLING_ROW, "<f8")  # greedy, unfiltered, unpenalised
+_FLOATS = [_COLUMN[k] for k in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                "presence_penalty", "frequency_penalty")]
+_FILTERS = [_COLUMN[k] for k in ("top_k", "top_p", "min_p")]
+_PENALTIES = [_COLUMN[k] for k in ("repetition_penalty", "presence_penalty",
+                                   "frequency_penalty")]
+
+
 def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
     """Every row's sampling values from one table of the requests' fixed rows
-    (Request.sampling_row, built once per request): a few whole-column numpy operations
-    a step, not one Python pass per value."""
+    (Request.sampling_row, built once per request): a few whole-table numpy operations a
+    step, not one Python pass per value."""
     rows = _rows(out.scheduled)
     pad = R - len(rows)
     table = np.frombuffer(b"".join([s.request.sampling_row for s, _ in rows]
-                                   + [PAD_SAMPLING_ROW] * pad), "<f8").reshape(R, -1)
-    column = dict(zip(SAMPLING_ROW, table.T))
-    f32 = {k: column[k].astype(np.float32) for k in (
-        "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty")}
+                                   + [PAD_SAMPLING_ROW] * pad), "<f8").reshape(R, -1).T
+    floats = table[_FLOATS].astype(np.float32)
     output_index = np.zeros(R, np.int32)
     output_index[:len(rows)] = [s.request.num_output_tokens + j for s, j in rows]
-    arrays = dict(f32, top_k=column["top_k"].astype(np.int32),
-                  seed=column["seed"].astype(np.uint32), output_index=output_index,
-                  num_prompt=column["num_prompt"].astype(np.int32))
-    # Padding rows are greedy and neutral, so the flags can look at every row (at the
-    # values the requests gave, as SamplingParams.greedy and .uses_penalties do).
-    random = column["temperature"] != 0.0
-    any_penalty = bool(((column["presence_penalty"] != 0.0)
-                        | (column["frequency_penalty"] != 0.0)
-                        | (column["repetition_penalty"] != 1.0)).any())
-    any_bias = bool(column["has_bias"].any())
+    arrays = dict(zip(("temperature", "top_p", "min_p", "repetition_penalty",
+                       "presence_penalty", "frequency_penalty"), floats),
+                  top_k=table[_COLUMN["top_k"]].astype(np.int32),
+                  seed=table[_COLUMN["seed"]].astype(np.uint32), output_index=output_index,
+                  num_prompt=table[_COLUMN["num_prompt"]].astype(np.int32))
+    # The flags: which columns hold a value other than the neutral one padding rows send
+    # (a row is random when its temperature is not 0, filtered when top-k, top-p or min-p
+    # is set, which validation allows only one way from the neutral value).
+    set_ = table != _NEUTRAL[:, None]  # bool[F, R]
+    some = set_.any(axis=1)
+    random = set_[_COLUMN["temperature"]]
+    any_bias = bool(some[_COLUMN["has_bias"]])
     # Only biased steps pay for these arrays; others send placeholders of a fixed shape so
     # the program does not change.
     arrays["bias_ids"], arrays["bias_values"] = (
         _bias([s.request.sampling_params for s, _ in rows], R) if any_bias
         else (_placeholder((R, MAX_LOGIT_BIAS)), np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
-    filtered = (column["top_k"] > 0) | (column["top_p"] < 1.0) | (column["min_p"] > 0.0)
     arrays.update(
-        any_penalty=np.bool_(any_penalty), any_bias=np.bool_(any_bias),
-        any_filter=np.bool_((filtered & random).any()), any_random=np.bool_(random.any()),
-        any_logprobs=np.bool_(column["has_logprobs"].any()))
+        any_penalty=np.bool_(some[_PENALTIES].any()), any_bias=np.bool_(any_bias),
+        any_filter=np.bool_((set_[_FILTERS].any(axis=0) & random).any()),
+        any_random=np.bool_(some[_COLUMN["temperature"]]),
+        any_logprobs=np.bool_(some[_COLUMN["has_logprobs"]]))
     return arrays
 
 

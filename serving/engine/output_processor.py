@@ -107,13 +107,15 @@ class OutputProcessor:
         new_ids = req.output_token_ids[st.num_emitted:]
         if self.faults:
             self.faults.check("detokenize", [req])
-        new_text, stop, new_ids = (feed_until_stop(st.detokenizer, new_ids) if st.detokenizer
-                                   else ("", None, new_ids))
+        detok, new_text = st.detokenizer, ""
+        if detok is not None:
+            new_text, stop, new_ids = feed_until_stop(detok, new_ids)
         st.num_emitted += len(new_ids)
-        if stop is not None:
+        if detok is not None and stop is not None:
             self.scheduler.stop_on_string(req, stop, st.num_emitted)
-        elif req.is_finished and st.detokenizer:
-            new_text += st.detokenizer.flush()
+        finished = req.status.is_finished
+        if finished and detok is not None and stop is None:
+            new_text += detok.flush()
         new_logprobs = None
         if (k := req.sampling_params.logprobs) is not None:
             new_logprobs = []
@@ -124,10 +126,12 @@ class OutputProcessor:
         prompt_logprobs = None
         if st.prompt_logprobs is not None:  # the first token: the prefill is done
             prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs.entries, None
-        embedding = st.embedding.embedding() if st.embedding and req.is_finished else None
-        if req.is_finished:
+        embedding = None
+        if finished:
             del self.states[req.request_id]
+            if st.embedding:
+                embedding = st.embedding.embedding()
         return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
-                             new_logprobs, req.is_finished, req.finish_reason, req.stop_reason,
+                             new_logprobs, finished, req.finish_reason, req.stop_reason,
                              queue_time=queue_time, prompt_logprobs=prompt_logprobs,
                              index=st.index, embedding=embedding)
