@@ -16,16 +16,15 @@ PLACEHOLDER_TOKEN = -1
 
 
 # Request.sampling_row's fields; padding rows send PAD_SAMPLING_ROW
-SAMPLING_ROW = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                "presence_penalty", "frequency_penalty", "seed", "num_prompt", "has_bias",
-                "has_logprobs")
+SAMPLING_ROW = ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "top_p", "min_p", "top_k", "seed", "num_prompt", "has_bias", "has_logprobs")
 
 
 def sampling_row(*values) -> bytes:
     return struct.pack(f"<{len(SAMPLING_ROW)}d", *values)
 
 
-PAD_SAMPLING_ROW = sampling_row(0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, 0, False, False)
+PAD_SAMPLING_ROW = sampling_row(0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0, 0, 0, False, False)
 
 
 class RequestStatus(enum.Enum):
@@ -119,8 +118,8 @@ class Request:
         values as float64s, packed (serving/engine/input_prep.py joins a step's rows into
         one table; float64 holds every int32 and uint32 exactly)."""
         p = self.sampling_params
-        return sampling_row(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                            p.presence_penalty, p.frequency_penalty, self.seed,
+        return sampling_row(p.temperature, p.repetition_penalty, p.presence_penalty,
+                            p.frequency_penalty, p.top_p, p.min_p, p.top_k, self.seed,
                             self.num_prompt_tokens, bool(p.logit_bias), p.logprobs is not None)
 
     @property

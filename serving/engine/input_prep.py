@@ -200,13 +200,13 @@ def history_shape(shape: tuple[int, int, int], page_size: int) -> tuple[int, int
     return R, P * page_size
 
 
-_COLUMN = {name: i for i, name in enumerate(SAMPLING_ROW)}
 _NEUTRAL = np.frombuffer(PAD_SAMPLING_ROW, "<f8")  # greedy, unfiltered, unpenalised
-_FLOATS = [_COLUMN[k] for k in ("temperature", "top_p", "min_p", "repetition_penalty",
-                                "presence_penalty", "frequency_penalty")]
-_FILTERS = [_COLUMN[k] for k in ("top_k", "top_p", "min_p")]
-_PENALTIES = [_COLUMN[k] for k in ("repetition_penalty", "presence_penalty",
-                                   "frequency_penalty")]
+# Request.sampling_row's columns, in SAMPLING_ROW's order: the float32 ones first
+_FLOATS, _PENALTIES, _FILTERS = slice(0, 6), slice(1, 4), slice(4, 7)
+_TOP_K, _SEED, _NUM_PROMPT, _HAS_BIAS, _HAS_LOGPROBS = range(6, 11)
+assert SAMPLING_ROW[_PENALTIES] == ("repetition_penalty", "presence_penalty",
+                                    "frequency_penalty")
+assert SAMPLING_ROW[_FILTERS] == ("top_p", "min_p", "top_k")
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
@@ -220,18 +220,15 @@ def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
     floats = table[_FLOATS].astype(np.float32)
     output_index = np.zeros(R, np.int32)
     output_index[:len(rows)] = [s.request.num_output_tokens + j for s, j in rows]
-    arrays = dict(zip(("temperature", "top_p", "min_p", "repetition_penalty",
-                       "presence_penalty", "frequency_penalty"), floats),
-                  top_k=table[_COLUMN["top_k"]].astype(np.int32),
-                  seed=table[_COLUMN["seed"]].astype(np.uint32), output_index=output_index,
-                  num_prompt=table[_COLUMN["num_prompt"]].astype(np.int32))
+    arrays = dict(zip(SAMPLING_ROW[_FLOATS], floats), top_k=table[_TOP_K].astype(np.int32),
+                  seed=table[_SEED].astype(np.uint32), output_index=output_index,
+                  num_prompt=table[_NUM_PROMPT].astype(np.int32))
     # The flags: which columns hold a value other than the neutral one padding rows send
     # (a row is random when its temperature is not 0, filtered when top-k, top-p or min-p
     # is set, which validation allows only one way from the neutral value).
     set_ = table != _NEUTRAL[:, None]  # bool[F, R]
     some = set_.any(axis=1)
-    random = set_[_COLUMN["temperature"]]
-    any_bias = bool(some[_COLUMN["has_bias"]])
+    any_bias = bool(some[_HAS_BIAS])
     # Only biased steps pay for these arrays; others send placeholders of a fixed shape so
     # the program does not change.
     arrays["bias_ids"], arrays["bias_values"] = (
@@ -239,9 +236,8 @@ def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
         else (_placeholder((R, MAX_LOGIT_BIAS)), np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
     arrays.update(
         any_penalty=np.bool_(some[_PENALTIES].any()), any_bias=np.bool_(any_bias),
-        any_filter=np.bool_((set_[_FILTERS].any(axis=0) & random).any()),
-        any_random=np.bool_(some[_COLUMN["temperature"]]),
-        any_logprobs=np.bool_(some[_COLUMN["has_logprobs"]]))
+        any_filter=np.bool_((set_[_FILTERS].any(axis=0) & set_[0]).any()),
+        any_random=np.bool_(some[0]), any_logprobs=np.bool_(some[_HAS_LOGPROBS]))
     return arrays
 
 
