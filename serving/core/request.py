@@ -6,7 +6,6 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from serving.core.sampling_params import SamplingParams
 
@@ -81,6 +80,15 @@ class Request:
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = frozenset(self.eos_token_ids)
+        # What a step's sampled row sends for this request and never changes: SAMPLING_ROW's
+        # values as float64s, packed (serving/engine/input_prep.py joins a step's rows into
+        # one table; float64 holds every int32 and uint32 exactly). Set here, with the other
+        # attributes, so every Request keeps one attribute layout.
+        p = self.sampling_params
+        self.sampling_row = sampling_row(
+            p.temperature, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            p.top_p, p.min_p, p.top_k, self.seed, len(self.prompt_token_ids),
+            bool(p.logit_bias), p.logprobs is not None)
 
     @property
     def lora_key(self) -> str | None:
@@ -111,16 +119,6 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
-
-    @cached_property
-    def sampling_row(self) -> bytes:
-        """What a step's sampled row sends for this request and never changes: SAMPLING_ROW's
-        values as float64s, packed (serving/engine/input_prep.py joins a step's rows into
-        one table; float64 holds every int32 and uint32 exactly)."""
-        p = self.sampling_params
-        return sampling_row(p.temperature, p.repetition_penalty, p.presence_penalty,
-                            p.frequency_penalty, p.top_p, p.min_p, p.top_k, self.seed,
-                            self.num_prompt_tokens, bool(p.logit_bias), p.logprobs is not None)
 
     @property
     def max_tokens(self) -> int:
