@@ -82,16 +82,15 @@ class KVCacheManager:
         taking computed_pages (a hit from get_computed_pages, which then covers the first
         num_computed_tokens) as its leading pages. False if short of pages, changing
         nothing but giving back pages the window no longer reads."""
-        pages = self._pages.get(req.request_id, [])
-        if (not computed_pages and pages and not self.sliding_window
-                and req.num_computed_tokens + num_new_tokens <= len(pages) * self.page_size):
-            return True  # most decode steps: the last page has room
         computed_pages = computed_pages or []
+        pages = self._pages.get(req.request_id, [])
         if computed_pages and (pages or req.num_computed_tokens
                                != len(computed_pages) * self.page_size):
             raise ValueError("a cache hit only starts a request's page table")
         self.remove_skipped_pages(req)
         missing = self._missing(req, num_new_tokens, computed_pages)
+        if pages and not missing:
+            return True  # most decode steps: the last page has room, the table stays
         hit = _held(computed_pages)
         if not self._fits(missing, hit):
             return False
@@ -102,9 +101,7 @@ class KVCacheManager:
         if not pages:
             self._num_cached[req.request_id] = len(computed_pages)
             self._num_skipped[req.request_id] = len(computed_pages) - len(hit)
-        if missing or computed_pages or req.request_id not in self._pages:
-            self._pages[req.request_id] = (pages + computed_pages
-                                           + self.allocator.allocate(missing))
+        self._pages[req.request_id] = pages + computed_pages + self.allocator.allocate(missing)
         return True
 
     def can_allocate(self, req: Request, num_new_tokens: int,

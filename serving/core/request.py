@@ -14,16 +14,21 @@ from serving.core.sampling_params import SamplingParams
 PLACEHOLDER_TOKEN = -1
 
 
-# Request.sampling_row's fields; padding rows send PAD_SAMPLING_ROW
+# Request.sampling_row's fields, in their order; padding rows send PAD_SAMPLING_ROW
 SAMPLING_ROW = ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty",
                 "top_p", "min_p", "top_k", "seed", "num_prompt", "has_bias", "has_logprobs")
 
 
-def sampling_row(*values) -> bytes:
-    return struct.pack(f"<{len(SAMPLING_ROW)}d", *values)
+def sampling_row(**values) -> bytes:
+    """SAMPLING_ROW's values as little-endian float64s (which hold every int32 and uint32
+    exactly)."""
+    return struct.pack(f"<{len(SAMPLING_ROW)}d", *(values[name] for name in SAMPLING_ROW))
 
 
-PAD_SAMPLING_ROW = sampling_row(0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0, 0, 0, False, False)
+# greedy, unfiltered, unpenalised
+PAD_SAMPLING_ROW = sampling_row(
+    temperature=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+    top_p=1.0, min_p=0.0, top_k=0, seed=0, num_prompt=0, has_bias=False, has_logprobs=False)
 
 
 class RequestStatus(enum.Enum):
@@ -80,15 +85,16 @@ class Request:
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = frozenset(self.eos_token_ids)
-        # What a step's sampled row sends for this request and never changes: SAMPLING_ROW's
-        # values as float64s, packed (serving/engine/input_prep.py joins a step's rows into
-        # one table; float64 holds every int32 and uint32 exactly). Set here, with the other
-        # attributes, so every Request keeps one attribute layout.
+        # What a step's sampled row sends for this request and never changes, packed once
+        # (serving/engine/input_prep.py joins a step's rows into one table). Set here, with
+        # the other attributes, so every Request keeps one attribute layout.
         p = self.sampling_params
         self.sampling_row = sampling_row(
-            p.temperature, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-            p.top_p, p.min_p, p.top_k, self.seed, len(self.prompt_token_ids),
-            bool(p.logit_bias), p.logprobs is not None)
+            temperature=p.temperature, repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            top_p=p.top_p, min_p=p.min_p, top_k=p.top_k, seed=self.seed,
+            num_prompt=len(self.prompt_token_ids), has_bias=bool(p.logit_bias),
+            has_logprobs=p.logprobs is not None)
 
     @property
     def lora_key(self) -> str | None:

@@ -201,12 +201,18 @@ def history_shape(shape: tuple[int, int, int], page_size: int) -> tuple[int, int
 
 
 _NEUTRAL = np.frombuffer(PAD_SAMPLING_ROW, "<f8")  # greedy, unfiltered, unpenalised
-# Request.sampling_row's columns, in SAMPLING_ROW's order: the float32 ones first
-_FLOATS, _PENALTIES, _FILTERS = slice(0, 6), slice(1, 4), slice(4, 7)
-_TOP_K, _SEED, _NUM_PROMPT, _HAS_BIAS, _HAS_LOGPROBS = range(6, 11)
-assert SAMPLING_ROW[_PENALTIES] == ("repetition_penalty", "presence_penalty",
-                                    "frequency_penalty")
-assert SAMPLING_ROW[_FILTERS] == ("top_p", "min_p", "top_k")
+
+
+def _columns(first: str, last: str) -> slice:
+    """Request.sampling_row's columns from `first` to `last` (SAMPLING_ROW's order)."""
+    return slice(SAMPLING_ROW.index(first), SAMPLING_ROW.index(last) + 1)
+
+
+_FLOATS = _columns("temperature", "min_p")  # the float32 arrays
+_PENALTIES = _columns("repetition_penalty", "frequency_penalty")
+_FILTERS = _columns("top_p", "top_k")
+_TEMPERATURE, _TOP_K, _SEED, _NUM_PROMPT, _HAS_BIAS, _HAS_LOGPROBS = map(SAMPLING_ROW.index, (
+    "temperature", "top_k", "seed", "num_prompt", "has_bias", "has_logprobs"))
 
 
 def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
@@ -236,8 +242,8 @@ def _sampling_arrays(out: SchedulerOutput, R: int) -> dict[str, np.ndarray]:
         else (_placeholder((R, MAX_LOGIT_BIAS)), np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
     arrays.update(
         any_penalty=np.bool_(some[_PENALTIES].any()), any_bias=np.bool_(any_bias),
-        any_filter=np.bool_((set_[_FILTERS].any(axis=0) & set_[0]).any()),
-        any_random=np.bool_(some[0]), any_logprobs=np.bool_(some[_HAS_LOGPROBS]))
+        any_filter=np.bool_((set_[_FILTERS].any(axis=0) & set_[_TEMPERATURE]).any()),
+        any_random=np.bool_(some[_TEMPERATURE]), any_logprobs=np.bool_(some[_HAS_LOGPROBS]))
     return arrays
 
 

@@ -233,7 +233,8 @@ class LLMEngine:
         parent = ParentRequest.expand(request_id, prompt_token_ids, params,
                                       partial(self._make_request, lora=adapter))
         first, *rest = parent.children
-        if any(c.request_id in self.outputs.states for c in rest):  # held ones: not in the scheduler
+        # held ones are not in the scheduler yet
+        if any(c.request_id in self.outputs.states for c in rest):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add_request(first)  # the rest cannot fail after this
         if self.scheduler.config.enable_prefix_caching:

@@ -107,11 +107,11 @@ class OutputProcessor:
         new_ids = req.output_token_ids[st.num_emitted:]
         if self.faults:
             self.faults.check("detokenize", [req])
-        detok, new_text = st.detokenizer, ""
+        detok, new_text, stop = st.detokenizer, "", None
         if detok is not None:
             new_text, stop, new_ids = feed_until_stop(detok, new_ids)
         st.num_emitted += len(new_ids)
-        if detok is not None and stop is not None:
+        if stop is not None:
             self.scheduler.stop_on_string(req, stop, st.num_emitted)
         finished = req.status.is_finished
         if finished and detok is not None and stop is None:
