@@ -97,12 +97,12 @@ def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_si
     offsets = np.cumsum(counts) - counts  # each request's first token in the step
     pos = (np.arange(n, dtype=np.int32) - np.repeat(offsets, counts)
            + np.repeat(np.array([s.start for s in sched], np.int32), counts))
-    page_table = _page_table([s.page_ids for s in sched], R, P)
+    page_table = page_table_rows([s.page_ids for s in sched], R, P)
     input_ids = np.zeros(T, np.int32)
     input_ids[:n] = [t for s in sched for t in s.token_ids]
     positions = np.zeros(T, np.int32)
     positions[:n] = pos
-    slots = _slots(page_table, req, pos, T, page_size)
+    slots = slots_array(page_table, req, pos, T, page_size)
     req_indices = np.full(T, R - 1, np.int32)
     req_indices[:n] = req
     # Sampled rows: a request verifying k proposed tokens has k + 1, at its last k + 1 tokens.
@@ -121,16 +121,16 @@ def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_si
     arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots,
                   req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
                   draft_ids=draft_ids, row_start=row_start,
-                  prev_rows=_prev_rows(sched, input_ids, req, T, prev_rows))
+                  prev_rows=prev_rows_array(sched, input_ids, req, T, prev_rows))
     if sched[0].window_page_ids is not None:  # a hybrid model's window layers
-        window_table = _page_table([s.window_page_ids for s in sched], R, P)
+        window_table = page_table_rows([s.window_page_ids for s in sched], R, P)
         arrays.update(window_page_table=window_table,
-                      window_slot_mapping=_slots(window_table, req, pos, T, page_size))
+                      window_slot_mapping=slots_array(window_table, req, pos, T, page_size))
     return arrays
 
 
-def _prev_rows(sched: list[ScheduledRequest], input_ids: np.ndarray, req: np.ndarray, T: int,
-               prev_rows: dict[str, int] | None) -> np.ndarray:
+def prev_rows_array(sched: list[ScheduledRequest], input_ids: np.ndarray, req: np.ndarray,
+                    T: int, prev_rows: dict[str, int] | None) -> np.ndarray:
     """i32[T]: for each token not yet known on the host (PLACEHOLDER_TOKEN: async
     scheduling), the previous step's row that samples it; -1 for the others."""
     out = np.full(T, -1, np.int32)
@@ -148,7 +148,8 @@ def _prev_rows(sched: list[ScheduledRequest], input_ids: np.ndarray, req: np.nda
     return out
 
 
-def _page_table(tables: list[list[int]], R: int, P: int) -> np.ndarray:
+def page_table_rows(tables: list[list[int]], R: int, P: int) -> np.ndarray:
+    """i32[R, P]: row i holds tables[i]'s pages, then zeros (the sink page)."""
     page_table = np.zeros((R, P), np.int32)
     widths = np.array([len(t) for t in tables], np.int32)
     page_table[np.repeat(np.arange(len(tables)), widths),
@@ -157,8 +158,8 @@ def _page_table(tables: list[list[int]], R: int, P: int) -> np.ndarray:
     return page_table
 
 
-def _slots(page_table: np.ndarray, req: np.ndarray, pos: np.ndarray, T: int,
-           page_size: int) -> np.ndarray:
+def slots_array(page_table: np.ndarray, req: np.ndarray, pos: np.ndarray, T: int,
+                page_size: int) -> np.ndarray:
     """Each token's cache slot (page * page_size + offset); padding writes to the sink."""
     slots = np.full(T, SINK_SLOT, np.int32)
     slots[:len(pos)] = page_table[req, pos // page_size] * page_size + pos % page_size

@@ -1,7 +1,7 @@
 """LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
 
     out = scheduler.schedule()               # host: who runs, how many tokens, which pages
-    handle = runner.dispatch(prepare(out))   # device: one compiled program per bucket
+    handle = runner.dispatch(input_batch.prepare(out))  # device: a program per bucket
     outputs = self.outputs.emit(last step)   # host: detokenize while the device works
     scheduler.update(out, runner.fetch(handle).tokens)
 """
@@ -29,7 +29,8 @@ from serving.engine.faults import Faults
 from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weights, model_key,
                                         request_vocab_size)
 from serving.core import grammar as structured
-from serving.engine.input_prep import all_step_shapes, padding_step, prepare
+from serving.engine.input_batch import InputBatch
+from serving.engine.input_prep import all_step_shapes, padding_step
 from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput
 from serving.core.request import Request
@@ -134,6 +135,9 @@ class LLMEngine:
         if self.placement.size > 1:
             mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
         self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
+        self.input_batch = InputBatch(self.buckets, ec.page_size, ec.max_num_seqs,
+                                      self.runner.bitmask_width,
+                                      self.embedder and self.embedder.pooler.pooling_type)
         self.drafter = self.speculative_config and Drafter(
             self.speculative_config, self.draft and self.draft.proposer(
                 self.speculative_config, self.scheduler, self.num_pages, self.buckets,
@@ -361,10 +365,7 @@ class LLMEngine:
             self.faults.check("sampling", (s.request for s in out.scheduled))
         lora_slots = (self.lora.step_slots([s.request.lora for s in out.scheduled])
                       if self.lora else None)
-        return prepare(out, self.buckets, self.config.page_size, self.config.max_num_seqs,
-                       self.runner.bitmask_width,
-                       self.embedder and self.embedder.pooler.pooling_type, lora_slots,
-                       prev_rows)
+        return self.input_batch.prepare(out, lora_slots, prev_rows)
 
     def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot
