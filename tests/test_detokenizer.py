@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.stream_detokenizer import StreamDetokenizer, make_detokenizer
 
 WORDS = ("héllo wörld 你好 🙂 the quick brown fox jumps over lazy dog café naïve Zürich 日本語 "
          "テキスト 👍🏽 résumé 東京 😀 data model token stream , . ! ? 's don't").split()
@@ -266,3 +267,51 @@ def test_min_tokens_holds_stop_strings_off(byte_bpe):
     detok = IncrementalDetokenizer(byte_bpe, [], ["fox"], min_tokens=len(ids))
     streamed = "".join(detok.add([i])[0] for i in ids) + detok.flush()
     assert detok.stop_hit is None and streamed == text
+
+
+# -- the stream detokenizer (serving/engine/stream_detokenizer.py) ---------------------------
+
+def test_requests_without_stop_strings_on_byte_level_tokenizers_stream(byte_bpe,
+                                                                      sentencepiece_like):
+    assert isinstance(make_detokenizer(byte_bpe, [1, 2]), StreamDetokenizer)
+    assert isinstance(make_detokenizer(byte_bpe, [], [""]), StreamDetokenizer)  # no stop
+    for tok, stop in ((byte_bpe, ["fox"]), (sentencepiece_like, None),
+                      (PlainDecode(byte_bpe), None)):
+        assert type(make_detokenizer(tok, [], stop)) is IncrementalDetokenizer
+
+
+def test_the_demo_tokenizer_streams(demo_model_dir):
+    tok = PreTrainedTokenizerFast.from_pretrained(str(demo_model_dir))
+    detok = make_detokenizer(tok, [])
+    assert isinstance(detok, StreamDetokenizer)
+    text = "The capital of France is Paris. Ça coûte 5 € 🙂"
+    ids = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert "".join(_stream(detok, ids)) == text
+
+
+def test_stream_equals_full_decode_on_random_ids(byte_bpe):
+    """Lone continuation bytes, special tokens, ids fed in random chunks."""
+    rng = random.Random(5)
+    pool = list(byte_bpe.get_vocab().values())
+    for _ in range(300):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
+        detok = make_detokenizer(byte_bpe, [])
+        pieces = _stream(detok, ids, rng)
+        assert "".join(pieces) == detok.text == byte_bpe.decode(ids, skip_special_tokens=True)
+
+
+def test_stream_holds_an_incomplete_character_until_flushed(byte_bpe):
+    ids = byte_bpe.encode("ab猫", add_special_tokens=False)
+    detok = make_detokenizer(byte_bpe, [])
+    streamed = "".join(detok.add([i])[0] for i in ids[:-1])  # cut inside 猫
+    assert streamed == "ab"
+    assert detok.add(ids[-1:])[0] == "猫" and detok.flush() == ""
+    detok = make_detokenizer(byte_bpe, [])
+    streamed = "".join(detok.add([i])[0] for i in ids[:-1])
+    assert streamed + detok.flush() == byte_bpe.decode(ids[:-1]) == "ab\ufffd"
+
+
+def test_stream_keeps_special_tokens_when_not_skipped(byte_bpe):
+    ids = byte_bpe.encode("héllo", add_special_tokens=False) + [byte_bpe.eos_token_id]
+    detok = StreamDetokenizer(byte_bpe.backend_tokenizer, skip_special_tokens=False)
+    assert "".join(_stream(detok, ids)) == "héllo<|endoftext|>"

@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
         self._num_added = 0  # output ids fed so far, special ones included
         self.skip_special_tokens = skip_special_tokens
         self._skip_ids = _special_ids(tokenizer) if skip_special_tokens else frozenset()
-        self._fast_decode = _fast_decoder(tokenizer)
+        self._fast_decode = fast_decoder(tokenizer)
         self._prefix_cache: tuple[tuple[int, int], str] = ((0, 0), "")
         self._ids: list[int] = []  # output ids, without the special ids that decode skips
         self._prefix_offset = 0
@@ -160,7 +160,7 @@ class IncrementalDetokenizer:
         return out, None
 
 
-def _fast_decoder(tokenizer):
+def fast_decoder(tokenizer):
     """The Rust decode that tokenizer.decode runs for a fast tokenizer (less its clean-up
     pass, which we never want), called directly to save microseconds of Python per call;
     None for tokenizers that decode differently."""

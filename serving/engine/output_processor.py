@@ -18,6 +18,7 @@ from serving.core.prompt_logprobs import PromptLogprobsCollector, wants_prompt_l
 from serving.core.request import Request
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.stream_detokenizer import StreamDetokenizer, make_detokenizer
 from serving.engine.spec_outputs import feed_until_stop
 
 log = logging.getLogger("xlaserve")
@@ -26,7 +27,7 @@ log = logging.getLogger("xlaserve")
 @dataclass
 class RequestState:
     request: Request
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | None
     num_emitted: int = 0  # output tokens already sent
     prompt_logprobs: PromptLogprobsCollector | None = None  # until the first update has them
     parent_id: str = ""  # the id the caller gave; request.request_id is the sample's own
@@ -42,9 +43,9 @@ class OutputProcessor:
     def add(self, req: Request, parent_id: str, index: int) -> None:
         """A generation request (one of its parent's n samples)."""
         p = req.sampling_params
-        detok = self.tokenizer and IncrementalDetokenizer(
+        detok = self.tokenizer and make_detokenizer(
             self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-            min_tokens=p.min_tokens)
+            p.min_tokens)
         prompt_lps = (None if p.prompt_logprobs is None else
                       PromptLogprobsCollector(req.prompt_token_ids, p.prompt_logprobs))
         self.states[req.request_id] = RequestState(req, detok, prompt_logprobs=prompt_lps,
