@@ -30,7 +30,8 @@ from serving.core.sampling_params import SamplingParams  # noqa: E402
 from serving.core.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from serving.engine.input_prep import prepare  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
-from serving.engine.runner import _pack, _unpack, split_batch  # noqa: E402
+from serving.engine.runner import split_batch  # noqa: E402
+from serving.engine.step_buffers import pack, unpack  # noqa: E402
 from serving.engine.sampler import SamplingInputs, sample  # noqa: E402
 
 DECODE_ROWS = 16
@@ -38,7 +39,7 @@ DECODE_ROWS = 16
 
 def without_prompt_logprobs(params, cache, buffers, *, layout, cfg, backend, num_top):
     """The step as it was before prompt logprobs: forward to the sampled rows, sampling."""
-    batch, sampling = _unpack(buffers, layout)
+    batch, sampling = unpack(buffers, layout)
     logits, cache = forward(params, cache, split_batch(batch)[0], cfg, backend)
     return sample(logits, SamplingInputs(**sampling), num_top), cache
 
@@ -74,7 +75,7 @@ def interleaved_ms(runs: dict, repeats: int) -> dict[str, float]:
 def baseline_run(engine: LLMEngine, jitted, arrays):
     """-> (compile seconds, one round) of the step without prompt logprobs."""
     runner = engine.runner
-    buffers, layout = _pack(arrays)
+    buffers, layout = pack(arrays)
     started = time.perf_counter()
     program = jitted.lower(runner.params, runner.cache, buffers, layout=layout).compile()
     compile_s = time.perf_counter() - started

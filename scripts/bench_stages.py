@@ -28,19 +28,20 @@ from model.transformer import compute_logits, forward_hidden  # noqa: E402
 from serving.core.config import EngineConfig  # noqa: E402
 from serving.engine.input_prep import padding_step  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
-from serving.engine.runner import _pack, _unpack, split_batch  # noqa: E402
+from serving.engine.runner import split_batch  # noqa: E402
+from serving.engine.step_buffers import pack, unpack  # noqa: E402
 from serving.engine.sampler import SamplingInputs, sample  # noqa: E402
 
 
 def backbone(params, cache, buffers, *, layout, cfg, backend):
-    batch, _ = _unpack(buffers, layout)
+    batch, _ = unpack(buffers, layout)
     batch = split_batch(batch)[0]
     hidden, cache = forward_hidden(params, cache, batch, cfg, backend)
     return hidden[batch.logits_indices], cache
 
 
 def head(params, rows, buffers, history, bitmask, *, layout, cfg, num_top, vocab_size):
-    _, sampling = _unpack(buffers, layout)
+    _, sampling = unpack(buffers, layout)
     sampling["history"] = history
     logits = compute_logits(params, rows, cfg)[:, :vocab_size]
     return sample(logits, SamplingInputs(**sampling, token_bitmask=bitmask), num_top)
@@ -77,20 +78,20 @@ def main() -> None:
     print("\n| program | shape | compile s |\n|---|---|---:|")
     for shape in shapes:
         ex = padding_step(shape)
-        buffers, layout = _pack(ex)
+        buffers, layout = pack(ex)
         full[shape], t_full[shape] = timed_compile(
             full_fn, r.params, r.cache, buffers, r._history(ex), r._bitmask(ex), layout=layout)
         print(f"| whole step | {shape} | {t_full[shape]:.2f} |", flush=True)
     for shape in shapes:
         ex = padding_step(shape)
-        buffers, layout = _pack(ex)
+        buffers, layout = pack(ex)
         bb[shape], t_bb[shape] = timed_compile(bb_fn, r.params, r.cache, buffers, layout=layout)
         print(f"| backbone | {shape} | {t_bb[shape]:.2f} |", flush=True)
     for R in sorted({s[1] for s in shapes}):
         shape = next(s for s in shapes if s[1] == R)
         ex = padding_step(shape)
-        hb, hl = _pack(sampling_only(ex))
-        rows, r.cache = bb[shape](r.params, r.cache, jax.device_put(_pack(ex)[0]))
+        hb, hl = pack(sampling_only(ex))
+        rows, r.cache = bb[shape](r.params, r.cache, jax.device_put(pack(ex)[0]))
         hd[R], t_hd[R] = timed_compile(hd_fn, r.params, rows, hb, r._history(ex),
                                        r._bitmask(ex), layout=hl)
         print(f"| head | R={R} | {t_hd[R]:.2f} |", flush=True)
@@ -104,8 +105,8 @@ def main() -> None:
     for T in (1, 16, 64):
         shape = next(s for s in shapes if s[0] >= T)
         ex = padding_step(shape)
-        buffers, layout = _pack(ex)
-        hb, hl = _pack(sampling_only(ex))
+        buffers, layout = pack(ex)
+        hb, hl = pack(sampling_only(ex))
         hist, mask = r._history(ex), r._bitmask(ex)
 
         def one():

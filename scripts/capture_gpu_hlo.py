@@ -86,7 +86,8 @@ def step_peaks(device, backend: str) -> None:
     from model.transformer import abstract_params
     from serving.core.buckets import Buckets
     from serving.engine.input_prep import all_step_shapes, history_shape, padding_step
-    from serving.engine.runner import _pack, _step
+    from serving.engine.runner import _step
+    from serving.engine.step_buffers import pack
     from serving.engine.sampler import NUM_TOP_LOGPROBS
     attention.PALLAS_INTERPRET = False
     sharding = jax.sharding.SingleDeviceSharding(device)
@@ -101,7 +102,7 @@ def step_peaks(device, backend: str) -> None:
     # an 8k context, and bench_decode's batch-256 engine.
     for seqs, tokens, max_len in ((64, 512, 131072), (64, 512, 8192), (256, 4096, 1024)):
         shape = max(all_step_shapes(Buckets.derive(seqs, tokens, max_len, 16), seqs))
-        buffers, layout = _pack(padding_step(shape))
+        buffers, layout = pack(padding_step(shape))
         history = np.full(history_shape(shape, 16), -1, np.int32)
         bitmask = np.full((shape[1], (cfg.vocab_size + 31) // 32), -1, np.int32)
         started = time.perf_counter()

@@ -20,6 +20,7 @@ from serving.core.ngram_proposer import propose_ngram
 from serving.core.spec_config import SpeculativeConfig
 from serving.engine.rejection_sampler import emitted_rows
 from serving.engine.sampler import sample
+from serving.engine.step_buffers import unpack
 from tests.demo_engine import demo_llm, greedy
 from tests.test_engine import TINY_OPTIONS, tiny_model, torch_one_thread  # noqa: F401
 from tests.test_sampler import inputs
@@ -337,7 +338,7 @@ def test_a_wrong_acceptance_rule_fails_the_engine_frequency_test(tiny_model, tin
     def wrong_step(params, cache, buffers, history, bitmask, last_tokens, *, layout, **kwargs):
         sampled, _, blocks, cache, next_tokens = right(params, cache, buffers, history, bitmask,
                                                        last_tokens, layout=layout, **kwargs)
-        batch, _ = runner._unpack(buffers, layout)
+        batch, _ = unpack(buffers, layout)
         drafts, tokens = batch["draft_ids"], sampled.tokens
         tokens = jnp.where((drafts >= 0) & (tokens != drafts) & (tokens % 2 == 1), drafts,
                            tokens)

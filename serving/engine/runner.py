@@ -28,6 +28,7 @@ from serving.engine.prompt_logprobs import (BLOCK_ROWS, PromptOutput, hidden_blo
                                             prompt_logprobs)
 from serving.engine.rejection_sampler import emitted_rows
 from serving.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingInputs, sample_rows
+from serving.engine.step_buffers import pack, unpack
 
 log = logging.getLogger("xlaserve")
 
@@ -43,7 +44,7 @@ def _step(params, cache, buffers, history, bitmask, last_tokens, lora_slots=None
     last_tokens: i32[max_rows], the previous step's sampled tokens, row by row. A token whose
     `prev_rows` entry is a row (>= 0) is that row's token: with async scheduling the step
     was prepared before the previous one's tokens reached the host (engine/async_steps.py)."""
-    batch, sampling = _unpack(buffers, layout)
+    batch, sampling = unpack(buffers, layout)
     sampling["history"] = history
     prev_rows = batch.pop("prev_rows")
     batch["input_ids"] = jnp.where(prev_rows >= 0, last_tokens[jnp.maximum(prev_rows, 0)],
@@ -68,37 +69,6 @@ def split_batch(arrays: dict) -> tuple[Batch, object, object]:
     arrays.pop("prev_rows", None)  # the runner's own (see _step)
     draft_ids, row_start = arrays.pop("draft_ids"), arrays.pop("row_start")
     return Batch(**arrays), draft_ids, row_start
-
-
-# A step's ~24 small input arrays travel as one flat buffer per dtype: each host-to-device
-# transfer costs tens of microseconds of host time, which a one-stream decode step on a CPU
-# (about 11 ms for SmolLM2) pays in full. `layout` (static, one per bucket shape) says where
-# each array lies: ((group, name, dtype, shape, offset), ...).
-
-def _pack(arrays: StepArrays):
-    """-> (flat buffers, one per dtype; layout)."""
-    by_dtype: dict[str, list] = {}
-    for group, named in (("batch", arrays.batch), ("sampling", arrays.sampling)):
-        for k, v in named.items():
-            v = np.asarray(v)
-            by_dtype.setdefault(v.dtype.str, []).append((group, k, v))
-    buffers, layout = [], []
-    for dt in sorted(by_dtype):
-        offset = 0
-        for g, k, v in by_dtype[dt]:
-            layout.append((g, k, dt, v.shape, offset))
-            offset += v.size
-        buffers.append(np.concatenate([v.reshape(-1) for _, _, v in by_dtype[dt]]))
-    return tuple(buffers), tuple(layout)
-
-
-def _unpack(buffers, layout):
-    by_dtype = {np.dtype(b.dtype).str: b for b in buffers}
-    out = {"batch": {}, "sampling": {}}
-    for group, name, dt, shape, offset in layout:
-        size = int(np.prod(shape, dtype=np.int64))
-        out[group][name] = by_dtype[dt][offset:offset + size].reshape(shape)
-    return out["batch"], out["sampling"]
 
 
 @dataclass
@@ -314,7 +284,7 @@ class ModelRunner:
         """(the step program's arguments, the layout of its packed arrays)."""
         if self.lora is not None and "lora_slots" not in arrays.batch:  # no request uses one
             arrays.batch["lora_slots"] = np.full(arrays.shape[0], -1, np.int32)
-        buffers, layout = _pack(arrays)
+        buffers, layout = pack(arrays)
         args = (self.params, cache, self.placement.send(buffers) if put else buffers,
                 self._history(arrays), self._bitmask(arrays), self._last_tokens)
         return args + ((self.lora.slots,) if self.lora is not None else ()), layout

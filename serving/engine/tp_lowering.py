@@ -25,7 +25,8 @@ from model.kv_cache import bytes_per_page
 from quant.recipe import abstract_quantized
 from serving.engine.input_prep import history_shape, padding_step
 from serving.engine.mesh import TensorParallel
-from serving.engine.runner import _pack, _step
+from serving.engine.runner import _step
+from serving.engine.step_buffers import pack
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 COLLECTIVES = ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce_scatter",
@@ -109,7 +110,7 @@ def lower_step(cfg: ModelConfig, tp: int, shape: tuple[int, int, int], *, num_pa
     params = sharding.abstract_sharded_params(stored, cfg, mesh)
     cache = where.abstract_cache(num_pages, page_size, kv_cache_dtype)
     example = padding_step(shape)
-    buffers, layout = _pack(example)
+    buffers, layout = pack(example)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     sds = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated)
     R = shape[1]
