@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
@@ -17,7 +17,7 @@ class TokenLogprob:
     rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs only)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One update for a request: the tokens, text and logprobs this step added. Text never
     contains a stop string (or any prefix of one that might still complete)."""

@@ -56,7 +56,7 @@ class SchedulerConfig:
                                  f"{self.window_num_pages}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # query tokens this step, proposed ones included
@@ -204,7 +204,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
-            k = num_drafts(req, n, budget, self._spare_rows, self._max_len)
+            k = (num_drafts(req, n, budget, self._spare_rows, self._max_len)
+                 if req.spec_token_ids else 0)
             while not self.kv_cache_manager.allocate_slots(req, n + k):
                 if k:  # short of pages: verify nothing before preempting anyone
                     k = 0
@@ -213,7 +214,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is req:
                     return budget  # it was the newest, so nothing after it is left to schedule
-            out.scheduled.append(self._scheduled(req, n, req.spec_token_ids[:k]))
+            out.scheduled.append(self._scheduled(req, n, req.spec_token_ids[:k] if k else ()))
             self._spare_rows -= k
             budget -= n + k
             i += 1
@@ -270,18 +271,15 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int, spec: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
-        req.spec_token_ids = []  # used (or dropped) now: the next step proposes afresh
-        return ScheduledRequest(request=req, num_new_tokens=n + len(spec), start=start,
-                                token_ids=req.slice_token_ids(start, start + n) + list(spec),
-                                samples=start + n == req.num_tokens,
-                                page_ids=list(self.kv_cache_manager.page_ids(req.request_id)),
-                                window_page_ids=self._window_page_ids(req),
-                                spec_token_ids=list(spec))
-
-    def _window_page_ids(self, req: Request) -> list[int] | None:
-        if not self.config.window_group:
-            return None
-        return list(self.kv_cache_manager.window_page_ids(req.request_id))
+        if req.spec_token_ids:
+            req.spec_token_ids = []  # used (or dropped) now: the next step proposes afresh
+        kvm = self.kv_cache_manager
+        window = (list(kvm.window_page_ids(req.request_id)) if self.config.window_group
+                  else None)
+        tokens = req.slice_token_ids(start, start + n)
+        return ScheduledRequest(req, n + len(spec), start, tokens + spec if spec else tokens,
+                                start + n == req.num_tokens, list(kvm.page_ids(req.request_id)),
+                                window, list(spec))
 
     # -- update -----------------------------------------------------------------------------
 

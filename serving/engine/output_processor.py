@@ -24,7 +24,7 @@ from serving.engine.spec_outputs import feed_until_stop
 log = logging.getLogger("xlaserve")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer | StreamDetokenizer | None
@@ -133,6 +133,5 @@ class OutputProcessor:
             if st.embedding:
                 embedding = st.embedding.embedding()
         return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
-                             new_logprobs, finished, req.finish_reason, req.stop_reason,
-                             queue_time=queue_time, prompt_logprobs=prompt_logprobs,
-                             index=st.index, embedding=embedding)
+                             new_logprobs, finished, req.finish_reason, req.stop_reason, None,
+                             queue_time, prompt_logprobs, st.index, embedding)

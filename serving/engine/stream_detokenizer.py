@@ -63,7 +63,10 @@ class StreamDetokenizer:
     def add(self, token_ids: list[int]) -> tuple[str, None]:
         """Feed new output ids -> (the text they complete, None)."""
         self._ids += token_ids
-        new_text = self._stream.step(self._backend, token_ids) if token_ids else None
+        if len(token_ids) == 1:  # a decode step: one id (a list costs the call twice as much)
+            new_text = self._stream.step(self._backend, token_ids[0])
+        else:
+            new_text = self._stream.step(self._backend, token_ids) if token_ids else None
         if not new_text:
             return "", None
         self._emitted.append(new_text)
