@@ -13,7 +13,8 @@ previous step's outputs: runs while the device computes), fetch wait (blocked on
 results), update (Scheduler.update: tokens appended, stops, pages). "step" is the wall time
 of one LLMEngine.step(); "device" the same step's program dispatched and fetched back to back
 with no host work between (median of repeats); "host on the path" = step - device, what the
-device waits for. Only steps where every request decodes one token are counted.
+device waits for. Only steps where every request decodes one token are counted. "mean
+step" is their mean, which counts the garbage collector's rare long passes too.
 
     python scripts/bench_host_overhead.py --server              # also through the HTTP server
 
@@ -80,6 +81,7 @@ class PhaseClock:
         steps = self.steps[2:] or self.steps  # the first decode steps settle caches
         row = {phase: statistics.median(s.get(phase, 0.0) for s in steps) for phase in PHASES}
         row["step"] = statistics.median(s["step"] for s in steps)
+        row["mean step"] = statistics.fmean(s["step"] for s in steps)  # with collector pauses
         row["device"] = device_alone(self.engine.runner, self.last_arrays, repeats)
         row["host on the path"] = max(row["step"] - row["device"], 0.0)
         row["steps"] = len(steps)
@@ -211,7 +213,7 @@ def main(argv=None) -> None:
                 if args.server:
                     served = run_server(model, vocab, tokenizer, n, args, Path(tmp))
                     rows[vocab][n] |= {f"server {k}": v for k, v in served.items()}
-    cols = ("step", "device", "host on the path") + PHASES
+    cols = ("step", "mean step", "device", "host on the path") + PHASES
     print(f"temperature {args.temperature}, logprobs {args.logprobs}, prompts of "
           f"{args.prompt_len} tokens, {args.max_tokens} decoded; median ms per decode step")
     print("| vocab | requests | " + " | ".join(cols) + " |")
