@@ -100,6 +100,21 @@ def test_long_prefill_token_threshold_caps_a_chunk():
     assert plan(out) == [("a", 6), ("b", 1)]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["update", "update_ahead"])
+def test_prompt_tokens_are_counted_once_a_chunk_and_decodes_add_none(ahead):
+    sched = make_scheduler(max_num_batched_tokens=16)
+    sched.add_request(make_request(0, 10, max_tokens=5))
+    sched.add_request(make_request(1, 20, max_tokens=5))
+    while sched.has_unfinished:
+        out = sched.schedule()
+        if ahead:
+            sched.resolve(sched.update_ahead(out), [7] * len(out.scheduled))
+        else:
+            sched.update(out, [7 if s.samples else None for s in out.scheduled])
+    assert sched.num_prompt_tokens_total == 30
+    assert sched.num_generation_tokens_total == 10
+
+
 def test_decodes_are_scheduled_before_new_prefills():
     sched = make_scheduler(max_num_batched_tokens=16)
     sched.add_request(make_request("a", 4))

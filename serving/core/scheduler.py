@@ -418,8 +418,9 @@ class Scheduler:
         req = sr.request
         if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != sr.start:
             return False
-        self.num_prompt_tokens_total += max(min(req.num_prompt_tokens - sr.start,
-                                                sr.num_new_tokens), 0)
+        if sr.start < req.num_prompt_tokens:  # a prefill chunk
+            self.num_prompt_tokens_total += min(req.num_prompt_tokens - sr.start,
+                                                sr.num_new_tokens)
         return True
 
     # -- introspection ----------------------------------------------------------------------

@@ -350,8 +350,8 @@ class LLMEngine:
         result = self.runner.fetch(flight.handle)
         if result.prompt is not None:
             self.outputs.collect_prompt_logprobs(flight.out, result.prompt)
-        rows = flight.rows
-        tokens = [int(result.tokens[rows[req.request_id]]) for req, _ in flight.ahead]
+        rows, sampled = flight.rows, result.tokens.tolist()
+        tokens = [sampled[rows[req.request_id]] for req, _ in flight.ahead]
         changed = self.scheduler.resolve(flight.ahead, tokens)
         return self.outputs.emit(changed, [rows[r.request_id] for r in changed], result)
 
