@@ -90,7 +90,9 @@ def grouped_matmul(kind: str, x, group_sizes, *packed):
 
 def _dense_reference(x, w, scale=None):
     """dense_matmul's product in plain jnp: each output an FMA chain over k ascending, then
-    times its channel's scale."""
+    times its channel's scale; bfloat16 weights as `bf16_pairs_reference` sums them."""
+    if jnp.dtype(jnp.asarray(w).dtype) == jnp.bfloat16:
+        return jnp.asarray(dense_matmul_cpu.bf16_pairs_reference(x, w))
     y = fma_chain(x.astype(jnp.float32).T[:, :, None],
                   jnp.asarray(w).astype(jnp.float32)[:, None, :])
     return y if scale is None else y * jnp.asarray(scale, jnp.float32).reshape(1, -1)

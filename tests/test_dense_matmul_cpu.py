@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_ffi
-from pallas_kernels.dense_matmul_cpu import (dense_matmul, kernel_available, pack_panels,
-                                             unpack_panels)
+from pallas_kernels.dense_matmul_cpu import (bf16_pairs_reference, dense_matmul,
+                                             kernel_available, pack_panels, unpack_panels)
 
 
 def test_the_kernel_builds_here():
@@ -33,6 +33,25 @@ def test_packing_round_trips(N):
     np.testing.assert_array_equal(np.asarray(unpack_panels(pack_panels(w))), w)
 
 
+@pytest.mark.parametrize("K,N", [(8, 48), (7, 53), (1, 5), (3, 16)])
+def test_bfloat16_panels_hold_k_in_pairs(K, N):
+    """[i][j][t] = w[2i + t][16p + j] in each panel, then an odd K's last k alone."""
+    w = _weights(K, N, jnp.bfloat16)
+    flat = np.asarray(pack_panels(w).astype(jnp.float32)).reshape(-1)
+    wf = np.asarray(w.astype(jnp.float32))
+    at, pairs = 0, K // 2
+    for p in range((N + 15) // 16):
+        block = wf[:, 16 * p:16 * (p + 1)]
+        width = block.shape[1]
+        got = flat[at:at + 2 * pairs * width].reshape(pairs, width, 2)
+        np.testing.assert_array_equal(got, block[:2 * pairs].reshape(pairs, 2, width)
+                                      .transpose(0, 2, 1))
+        np.testing.assert_array_equal(flat[at + 2 * pairs * width:at + K * width],
+                                      block[2 * pairs:].reshape(-1))
+        at += K * width
+    np.testing.assert_array_equal(np.asarray(unpack_panels(pack_panels(w))), np.asarray(w))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("T,K,N", [(1, 1, 16), (3, 7, 32), (6, 64, 48), (13, 576, 960),
                                    (64, 100, 16), (5, 64, 211), (7, 9, 3)])
@@ -40,6 +59,9 @@ def test_matches_a_float64_matmul(dtype, T, K, N):
     x = np.random.default_rng(T + K).standard_normal((T, K)).astype(np.float32)
     w = _weights(K, N, dtype, seed=K)
     got = np.asarray(jax.jit(dense_matmul)(jnp.asarray(x), pack_panels(w)))
+    if dtype == "bfloat16":  # rows rounded to bfloat16, products summed two k at a time
+        np.testing.assert_array_equal(got, bf16_pairs_reference(x, w))
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
     assert "xlaserve_dense_matmul" in jax.jit(dense_matmul).lower(x, pack_panels(w)).as_text()
@@ -129,26 +151,35 @@ def test_scale_goes_with_codes_only():
         dense_matmul(jnp.ones((1, 8)), pack_panels(_weights(8, 16, "float32")), scale)
 
 
+BUILDS = {"avx2": ["-mno-avx512f"], "avx512 without bf16": ["-mno-avx512bf16"]}
+
+
 @pytest.mark.skipif("avx512f" not in cpu_ffi.cpu_signature(), reason="needs an AVX-512 CPU to "
                     "run both builds; tests/test_kernel_build.py compiles both anywhere")
-def test_the_avx2_and_avx512_tiles_give_the_same_bits(tmp_path):
-    """The kernel built without AVX-512 (6-row tiles of two registers) against the one this
-    CPU loads (12-row tiles of one register): every output is the same FMA chain, so the
-    same bits, for every weight form, a narrow panel and tile remainders."""
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_avx2_and_avx512_tiles_give_the_same_bits(tmp_path, build):
+    """The kernel built without AVX-512 (6-row tiles of two registers), and without
+    AVX512-BF16 (bfloat16 pairs as two FMAs), against the one this CPU loads (12-row tiles
+    of one register, `vdpbf16ps` where the CPU has it): every output is the same chain of
+    rounded sums, so the same bits, for every weight form, a narrow panel, an odd K and
+    tile remainders."""
+    if build == "avx512 without bf16" and "avx512_bf16" not in cpu_ffi.cpu_signature():
+        pytest.skip("this CPU has no AVX512-BF16: the build it loads is that one")
     import ctypes
     import shutil
     import subprocess
     source = cpu_ffi.SOURCE_DIR / "dense_matmul.cc"
-    out = tmp_path / "dense_matmul_avx2.so"
-    subprocess.run([shutil.which("g++") or "g++", *cpu_ffi.FLAGS, "-mno-avx512f",
+    out = tmp_path / "dense_matmul_other.so"
+    subprocess.run([shutil.which("g++") or "g++", *cpu_ffi.FLAGS, *BUILDS[build],
                     f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)], check=True,
                    capture_output=True)
     lib = ctypes.cdll.LoadLibrary(str(out))
-    jax.ffi.register_ffi_target("test_dense_matmul_avx2", jax.ffi.pycapsule(
-        lib.xlaserve_dense_matmul), platform="cpu")
+    name = f"test_dense_matmul_{build.replace(' ', '_')}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.xlaserve_dense_matmul),
+                                platform="cpu")
     rng = np.random.default_rng(5)
     for dtype in ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"]:
-        for T, K, N in [(1, 64, 4096), (37, 576, 1544), (256, 64, 4099)]:
+        for T, K, N in [(1, 64, 4096), (37, 576, 1544), (256, 64, 4099), (13, 65, 37)]:
             x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
             if dtype in ("float32", "bfloat16", "float16"):
                 w, scale = _weights(K, N, dtype, seed=T), None
@@ -156,8 +187,7 @@ def test_the_avx2_and_avx512_tiles_give_the_same_bits(tmp_path):
                 w, scale = _codes(K, N, dtype, seed=T)
             panels = pack_panels(w)
             got = np.asarray(dense_matmul(x, panels, scale))
-            other = jax.ffi.ffi_call("test_dense_matmul_avx2",
-                                     jax.ShapeDtypeStruct((T, N), jnp.float32))(
+            other = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((T, N), jnp.float32))(
                 x, panels, jnp.zeros((0,), jnp.float32) if scale is None else scale)
             np.testing.assert_array_equal(got.view(np.uint32),
                                           np.asarray(other).view(np.uint32),

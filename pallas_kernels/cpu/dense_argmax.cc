@@ -46,12 +46,14 @@ void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, int64_t columns
   const int64_t chunks = (panels + per - 1) / per;
   std::vector<float> best_value(chunks * T);
   std::vector<int32_t> best_index(chunks * T);
+  std::vector<uint32_t> pairs;
+  const void* rows = xlaserve::dense::TileRows<W>(x, T, K, pairs);
   xlaserve::ParallelFor(pool, chunks, [&](int64_t begin, int64_t end) {
     const int64_t ld = per * kNR;
     std::vector<float> y(T * ld);
     for (int64_t c = begin; c < end; ++c) {
       const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);
-      Panels<W>(T, x, K, w, bytes, p0, p1, N, scale, y.data(), ld);
+      Panels<W>(T, rows, K, w, bytes, p0, p1, N, scale, y.data(), ld);
       const int64_t first = p0 * kNR, width = std::min(columns, p1 * kNR) - first;
       for (int64_t r = 0; r < T; ++r) {
         const int32_t i = xlaserve::RowArgmax(y.data() + r * ld, width);

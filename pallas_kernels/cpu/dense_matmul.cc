@@ -5,7 +5,9 @@
 // rows share the call, then times scale[n] for 8-bit codes (weight-only, as XLA's
 // `x @ convert(W) * scale`). A row's result is then independent of its batch: XLA:CPU's dot picks
 // other kernels and blockings for other row counts (every row of a 1-row float32 dot
-// differed in its last bits from the same row of a 64-row one).
+// differed in its last bits from the same row of a 64-row one). bfloat16 weights take the
+// rows rounded to bfloat16 and sum two k at a time, in vdpbf16ps's order
+// (dense_bf16_pairs.h).
 //
 // The weights' packing and the tiles: dense_panels.h. Panels are split over XLA's intra-op
 // threads.
@@ -32,9 +34,11 @@ void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, const float* x,
          const char* w, size_t bytes, const float* scale, float* y) {
   const int64_t panels = (N + kNR - 1) / kNR;
   const int64_t per = xlaserve::dense::PanelsPerChunk(K, N, bytes, pool.num_threads());
+  std::vector<uint32_t> pairs;
+  const void* rows = xlaserve::dense::TileRows<W>(x, T, K, pairs);
   xlaserve::ParallelFor(pool, (panels + per - 1) / per, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
-      Panels<W>(T, x, K, w, bytes, c * per, std::min(panels, (c + 1) * per), N, scale,
+      Panels<W>(T, rows, K, w, bytes, c * per, std::min(panels, (c + 1) * per), N, scale,
                 y + c * per * kNR, N);
   });
 }
@@ -85,11 +89,14 @@ void RunGrouped(ffi::ThreadPool& pool, int64_t E, const int64_t* start, const in
                 int64_t K, int64_t N, const float* x, const char* w, size_t bytes,
                 const float* scale, float* y) {
   const int64_t panels = (N + kNR - 1) / kNR;
+  std::vector<uint32_t> pairs;
+  const void* rows = xlaserve::dense::TileRows<W>(x, start[E], K, pairs);
   xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = i / panels, p = i % panels;
       if (sizes[e] == 0) continue;
-      Panels<W>(sizes[e], x + start[e] * K, K, w + e * K * N * bytes, bytes, p, p + 1, N,
+      Panels<W>(sizes[e], xlaserve::dense::RowAt<W>(rows, start[e], K), K,
+                w + e * K * N * bytes, bytes, p, p + 1, N,
                 scale ? scale + e * N : nullptr, y + start[e] * N + p * kNR, N);
     }
   });

@@ -4,7 +4,8 @@
 //
 // W comes packed in panels of 16 output channels: panel[p][k][j] = W[k][16p + j], so the 16
 // weights one k needs are one contiguous load (64 bytes in float32, 32 in 16-bit formats,
-// widened in registers; 16 bytes of 8-bit codes); when 16 does not divide N, the last panel is N % 16 wide. Panels
+// widened in registers; 16 bytes of 8-bit codes); when 16 does not divide N, the last panel is
+// N % 16 wide. bfloat16 panels hold their k in pairs instead (dense_bf16_pairs.h). Panels
 // are split over XLA's intra-op threads; within a panel, tiles of up to 6 rows share each
 // weight load (12 accumulators, 2 weights, 1 broadcast), 12 rows with AVX-512.
 #pragma once
@@ -14,7 +15,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "dense_bf16_pairs.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -254,31 +257,58 @@ void TileOf512(int64_t rows, const float* x, int64_t K, const void* panel, int64
 }
 #endif  // __AVX512F__
 
-// Rows [0, T) against panels [p0, p1) of W (N columns, `bytes` a weight) -> y (stride ldy),
-// panel p0's columns first, in row tiles as even as can be, each tile through every panel before the
-// next: a tile's rows are written in runs of (p1 - p0) * 16 columns. (Panel by panel over
-// all rows, the rows of a [256, 49152] float32 result sit 3 * 2^16 bytes apart, land in the
-// same cache sets and were written at a tenth of memory speed.)
+// The rows as Panels<W> reads them: x itself, or for bfloat16 weights its pair words
+// (dense_bf16_pairs.h), made once a call and held in `pairs`.
 template <Weights W>
-void Panels(int64_t T, const float* x, int64_t K, const char* w, size_t bytes, int64_t p0,
+const void* TileRows(const float* x, int64_t T, int64_t K, std::vector<uint32_t>& pairs) {
+  if constexpr (W == Weights::kBF16) {
+    pairs = PairRows(x, T, K);
+    return pairs.data();
+  }
+  return x;
+}
+
+// Row r of what TileRows gives.
+template <Weights W>
+const void* RowAt(const void* rows, int64_t r, int64_t K) {
+  if constexpr (W == Weights::kBF16) return static_cast<const uint32_t*>(rows) + r * ((K + 1) / 2);
+  return static_cast<const float*>(rows) + r * K;
+}
+
+// Rows [0, T) (from TileRows) against panels [p0, p1) of W (N columns, `bytes` a weight) ->
+// y (stride ldy), panel p0's columns first, in row tiles as even as can be, each tile
+// through every panel before the next: a tile's rows are written in runs of (p1 - p0) * 16
+// columns. (Panel by panel over all rows, the rows of a [256, 49152] float32 result sit
+// 3 * 2^16 bytes apart, land in the same cache sets and were written at a tenth of memory
+// speed.)
+template <Weights W>
+void Panels(int64_t T, const void* x, int64_t K, const char* w, size_t bytes, int64_t p0,
             int64_t p1, int64_t N, const float* scale, float* y, int64_t ldy) {
   auto tile = [&](int64_t r, int64_t n) {
     for (int64_t p = p0; p < p1; ++p) {
       const void* panel = w + p * K * kNR * bytes;
       const int64_t width = std::min(kNR, N - p * kNR);
-      const float* s = scale ? scale + p * kNR : nullptr;
+      float* out = y + r * ldy + (p - p0) * kNR;
+      if constexpr (W == Weights::kBF16) {
+        PairTileOf(n, static_cast<const uint32_t*>(RowAt<W>(x, r, K)), K,
+                   static_cast<const uint16_t*>(panel), width, out, ldy);
+      } else {
+        const float* rows = static_cast<const float*>(RowAt<W>(x, r, K));
+        const float* s = scale ? scale + p * kNR : nullptr;
 #ifdef __AVX512F__
-      TileOf512<W>(n, x + r * K, K, panel, width, s, y + r * ldy + (p - p0) * kNR, ldy);
+        TileOf512<W>(n, rows, K, panel, width, s, out, ldy);
 #else
-      TileOf<W>(n, x + r * K, K, panel, width, s, y + r * ldy + (p - p0) * kNR, ldy);
+        TileOf<W>(n, rows, K, panel, width, s, out, ldy);
 #endif
+      }
     }
   };
 #ifdef __AVX512F__
-  xlaserve::EvenTiles(T, kMaxTile512, tile);
+  constexpr int64_t kRows = W == Weights::kBF16 ? kMaxPairTile : kMaxTile512;
 #else
-  xlaserve::EvenTiles(T, kMaxTile, tile);
+  constexpr int64_t kRows = W == Weights::kBF16 ? kMaxPairTile : kMaxTile;
 #endif
+  xlaserve::EvenTiles(T, kRows, tile);
 }
 
 // How many panels a chunk of work takes: their weights within ~256 KB (they are read again
