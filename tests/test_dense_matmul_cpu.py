@@ -67,6 +67,20 @@ def test_matches_a_float64_matmul(dtype, T, K, N):
     assert "xlaserve_dense_matmul" in jax.jit(dense_matmul).lower(x, pack_panels(w)).as_text()
 
 
+def test_bfloat16_weights_round_rows_to_nearest_even():
+    """Rows against the identity give the rows as the kernel rounds them (ties to even,
+    large and small values), in the vector part of a row (16 at a time) and its tail."""
+    K = 37
+    one = 1.0 + 2.0 ** -8  # halfway between two bfloat16 values: rounds down to 1.0
+    row = np.array([one, 1 + 3 * 2.0 ** -8, -one, 1 + 2.0 ** -9, 1 - 2.0 ** -10, -0.0,
+                    3.0e38, 1.0e-30, 0.3] * 5, np.float32)[:K]
+    x = np.stack([row, row[::-1].copy()])
+    got = np.asarray(dense_matmul(jnp.asarray(x), pack_panels(jnp.eye(K, dtype=jnp.bfloat16))))
+    want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2.0 ** -6
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_row_does_not_depend_on_its_batch(dtype):
     """Rows alone, at every position of tiles of 1 to 6 rows and in batches of every bucket

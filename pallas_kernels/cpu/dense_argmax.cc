@@ -46,8 +46,7 @@ void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, int64_t columns
   const int64_t chunks = (panels + per - 1) / per;
   std::vector<float> best_value(chunks * T);
   std::vector<int32_t> best_index(chunks * T);
-  std::vector<uint32_t> pairs;
-  const void* rows = xlaserve::dense::TileRows<W>(x, T, K, pairs);
+  const void* rows = xlaserve::dense::TileRows<W>(x, T, K);
   xlaserve::ParallelFor(pool, chunks, [&](int64_t begin, int64_t end) {
     const int64_t ld = per * kNR;
     std::vector<float> y(T * ld);

@@ -23,23 +23,46 @@
 
 namespace xlaserve::dense {
 
-// x [T, K] as the pair tiles read it: T rows of (K + 1) / 2 words.
-inline std::vector<uint32_t> PairRows(const float* x, int64_t T, int64_t K) {
+// A float32's bits rounded to bfloat16 (to nearest even, a NaN kept a quiet NaN).
+inline uint16_t Bf16(uint32_t b) {
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// The same for 8 lanes: each lane's bfloat16 in its low 16 bits.
+inline __m256i Bf16x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+// x [T, K] as the pair tiles read it, into `pairs`: T rows of (K + 1) / 2 words (a
+// thread's buffer, kept from call to call).
+inline void PairRows(const float* x, int64_t T, int64_t K, std::vector<uint32_t>& pairs) {
   const int64_t words = (K + 1) / 2;
-  std::vector<uint16_t> half(T * words * 2, 0);
+  pairs.resize(T * words);
   for (int64_t r = 0; r < T; ++r) {
-    uint16_t* out = half.data() + r * words * 2;
-    for (int64_t k = 0; k < K; ++k) {
-      uint32_t b;
-      std::memcpy(&b, x + r * K + k, sizeof b);
-      const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-      const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
-      out[k] = static_cast<uint16_t>(nan ? (b >> 16) | 0x40u : rounded);
+    const float* row = x + r * K;
+    char* out = reinterpret_cast<char*>(pairs.data() + r * words);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256i packed = _mm256_packus_epi32(Bf16x8(_mm256_loadu_ps(row + k)),
+                                                 Bf16x8(_mm256_loadu_ps(row + k + 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * k),
+                          _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+    for (; k < K + K % 2; ++k) {
+      uint32_t b = 0;
+      if (k < K) std::memcpy(&b, row + k, sizeof b);
+      const uint16_t h = k < K ? Bf16(b) : 0;
+      std::memcpy(out + 2 * k, &h, sizeof h);
     }
   }
-  std::vector<uint32_t> pairs(T * words);
-  std::memcpy(pairs.data(), half.data(), pairs.size() * sizeof(uint32_t));
-  return pairs;
 }
 
 inline float HighHalf(uint32_t word) {

@@ -34,8 +34,7 @@ void Run(ffi::ThreadPool& pool, int64_t T, int64_t K, int64_t N, const float* x,
          const char* w, size_t bytes, const float* scale, float* y) {
   const int64_t panels = (N + kNR - 1) / kNR;
   const int64_t per = xlaserve::dense::PanelsPerChunk(K, N, bytes, pool.num_threads());
-  std::vector<uint32_t> pairs;
-  const void* rows = xlaserve::dense::TileRows<W>(x, T, K, pairs);
+  const void* rows = xlaserve::dense::TileRows<W>(x, T, K);
   xlaserve::ParallelFor(pool, (panels + per - 1) / per, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
       Panels<W>(T, rows, K, w, bytes, c * per, std::min(panels, (c + 1) * per), N, scale,
@@ -89,8 +88,7 @@ void RunGrouped(ffi::ThreadPool& pool, int64_t E, const int64_t* start, const in
                 int64_t K, int64_t N, const float* x, const char* w, size_t bytes,
                 const float* scale, float* y) {
   const int64_t panels = (N + kNR - 1) / kNR;
-  std::vector<uint32_t> pairs;
-  const void* rows = xlaserve::dense::TileRows<W>(x, start[E], K, pairs);
+  const void* rows = xlaserve::dense::TileRows<W>(x, start[E], K);
   xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = i / panels, p = i % panels;

@@ -258,11 +258,12 @@ void TileOf512(int64_t rows, const float* x, int64_t K, const void* panel, int64
 #endif  // __AVX512F__
 
 // The rows as Panels<W> reads them: x itself, or for bfloat16 weights its pair words
-// (dense_bf16_pairs.h), made once a call and held in `pairs`.
+// (dense_bf16_pairs.h), made once a call in the calling thread's buffer.
 template <Weights W>
-const void* TileRows(const float* x, int64_t T, int64_t K, std::vector<uint32_t>& pairs) {
+const void* TileRows(const float* x, int64_t T, int64_t K) {
   if constexpr (W == Weights::kBF16) {
-    pairs = PairRows(x, T, K);
+    thread_local std::vector<uint32_t> pairs;
+    PairRows(x, T, K, pairs);
     return pairs.data();
   }
   return x;
