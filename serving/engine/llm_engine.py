@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -219,10 +218,6 @@ class LLMEngine:
             self.runner.step_sink = self.cluster.send_step
         log.info("warm-up phases: %s", ", ".join(f"{k} {v:.1f} s"
                                                  for k, v in self.timings.items()))
-        # What lives now lives with the engine: frozen, the collector's full passes stop
-        # walking it in the loop (a ~65 ms pause every ~100 steps at 256 requests).
-        gc.collect()
-        gc.freeze()
         return report
 
     def describe(self) -> str:
