@@ -20,7 +20,7 @@ from serving.engine.input_prep import StepArrays
 @dataclass(frozen=True)
 class _Plan:
     layout: tuple
-    groups: tuple  # per dtype, in layout order: (dtype, ((group, name), ...), total size)
+    groups: tuple  # per dtype, in layout order: (dtype, ((group, name), ...))
     shapes: list  # each array's shape, in the groups' order
 
 
@@ -42,11 +42,11 @@ def pack(arrays: StepArrays) -> tuple[tuple[np.ndarray, ...], tuple]:
 
 def _fill(plan: _Plan, arrays: StepArrays) -> tuple[np.ndarray, ...] | None:
     named = {"batch": arrays.batch, "sampling": arrays.sampling}
-    values = [[named[g][k] for g, k in names] for _, names, _ in plan.groups]
+    values = [[named[g][k] for g, k in names] for _, names in plan.groups]
     if [np.shape(v) for vs in values for v in vs] != plan.shapes:
         return None
     buffers = tuple(np.concatenate(vs, axis=None) for vs in values)
-    if any(b.dtype != dt for b, (dt, _, _) in zip(buffers, plan.groups)):
+    if any(b.dtype != dt for b, (dt, _) in zip(buffers, plan.groups)):
         return None
     return buffers
 
@@ -71,11 +71,7 @@ def _plan_of(layout: tuple) -> _Plan:
     groups: dict[str, list] = {}
     for g, k, dt, _, _ in layout:
         groups.setdefault(dt, []).append((g, k))
-    sizes = {dt: 0 for dt in groups}
-    for _, _, dt, shape, _ in layout:
-        sizes[dt] += int(np.prod(shape, dtype=np.int64))
-    return _Plan(layout, tuple((np.dtype(dt), tuple(names), sizes[dt])
-                               for dt, names in groups.items()),
+    return _Plan(layout, tuple((np.dtype(dt), tuple(names)) for dt, names in groups.items()),
                  [shape for _, _, _, shape, _ in layout])
 
 
