@@ -262,6 +262,10 @@ def main(argv=None) -> int:
         argv.insert(0, "serve")  # `python -m serving --model DIR` serves
     args = build_parser().parse_args(argv)
     _setup_logging()
+    if args.command in ("serve", "warmup"):
+        # The CPU kernels' first build (~16 s) runs beside importing JAX and reading weights.
+        from pallas_kernels.cpu_build import start_building
+        start_building()
     # Before JAX starts its backend: XLA's allocator reads its limit once.
     from serving.engine.memory_plan import configure_xla_allocator_if_unstarted
     configure_xla_allocator_if_unstarted(args.gpu_memory_utilization)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_build, cpu_ffi
 from pallas_kernels.dense_matmul_cpu import (bf16_pairs_reference, dense_matmul,
                                              kernel_available, pack_panels, unpack_panels)
 
@@ -168,7 +168,7 @@ def test_scale_goes_with_codes_only():
 BUILDS = {"avx2": ["-mno-avx512f"], "avx512 without bf16": ["-mno-avx512bf16"]}
 
 
-@pytest.mark.skipif("avx512f" not in cpu_ffi.cpu_signature(), reason="needs an AVX-512 CPU to "
+@pytest.mark.skipif("avx512f" not in cpu_build.cpu_signature(), reason="needs an AVX-512 CPU to "
                     "run both builds; tests/test_kernel_build.py compiles both anywhere")
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_avx2_and_avx512_tiles_give_the_same_bits(tmp_path, build):
@@ -177,14 +177,14 @@ def test_the_avx2_and_avx512_tiles_give_the_same_bits(tmp_path, build):
     of one register, `vdpbf16ps` where the CPU has it): every output is the same chain of
     rounded sums, so the same bits, for every weight form, a narrow panel, an odd K and
     tile remainders."""
-    if build == "avx512 without bf16" and "avx512_bf16" not in cpu_ffi.cpu_signature():
+    if build == "avx512 without bf16" and "avx512_bf16" not in cpu_build.cpu_signature():
         pytest.skip("this CPU has no AVX512-BF16: the build it loads is that one")
     import ctypes
     import shutil
     import subprocess
-    source = cpu_ffi.SOURCE_DIR / "dense_matmul.cc"
+    source = cpu_build.SOURCE_DIR / "dense_matmul.cc"
     out = tmp_path / "dense_matmul_other.so"
-    subprocess.run([shutil.which("g++") or "g++", *cpu_ffi.FLAGS, *BUILDS[build],
+    subprocess.run([shutil.which("g++") or "g++", *cpu_build.FLAGS, *BUILDS[build],
                     f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)], check=True,
                    capture_output=True)
     lib = ctypes.cdll.LoadLibrary(str(out))

@@ -1,7 +1,7 @@
 """Every C++ kernel (pallas_kernels/cpu/*.cc) compiles for an AVX-512 VNNI CPU
 (-march=icelake-server) and for a plain AVX2 one (-march=haswell).
 
-cpu_ffi builds with -march=native, so a machine only ever compiles the paths its own CPU
+cpu_build builds with -march=native, so a machine only ever compiles the paths its own CPU
 takes: without this, a VNNI tile broken on an AVX2 test machine would first fail to build on
 a server. Compiling is as far as a machine without AVX-512 can go: -c, not -fsyntax-only (an
 intrinsic used outside its target is an error only when GCC inlines it), at -O0 (the errors
@@ -16,16 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import pytest
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_build
 
-SOURCES = sorted(cpu_ffi.SOURCE_DIR.glob("*.cc"))
+SOURCES = sorted(cpu_build.SOURCE_DIR.glob("*.cc"))
 TARGETS = ("icelake-server", "haswell")
 
 
 def flags(target: str) -> list[str]:
-    """cpu_ffi's flags for `target` instead of the CPU running the test, at -O0."""
+    """cpu_build's flags for `target` instead of the CPU running the test, at -O0."""
     swap = {"-march=native": f"-march={target}", "-O3": "-O0"}
-    return [swap.get(f, f) for f in cpu_ffi.FLAGS]
+    return [swap.get(f, f) for f in cpu_build.FLAGS]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def builds(compiler) -> dict[tuple[str, str], subprocess.CompletedProcess]:
 
 
 def test_every_kernel_is_a_source():
-    assert {s.stem for s in SOURCES} == set(cpu_ffi.KERNELS)
+    assert {s.stem for s in SOURCES} == set(cpu_build.KERNELS)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -37,7 +37,7 @@ import jax
 import jaxlib
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_build, cpu_ffi
 
 log = logging.getLogger("xlaserve")
 
@@ -76,7 +76,7 @@ def build_versions() -> dict:
 def _host() -> str:
     """XLA:CPU compiles for the host's instruction set, and XLA_FLAGS change what it makes:
     a program from another machine or other flags is another slot."""
-    text = platform.machine() + cpu_ffi.cpu_signature() + os.environ.get("XLA_FLAGS", "")
+    text = platform.machine() + cpu_build.cpu_signature() + os.environ.get("XLA_FLAGS", "")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
