@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.host_layout import array_module, placed
 
 PANEL = 16  # columns per panel
 GROUP = 32  # values of k per scale and offset
@@ -40,32 +41,15 @@ def pack_panels(codes, d, m):
     element 2b is byte b's low nibble."""
     K, N = codes.shape
     G, P = K // GROUP, N // PANEL
-    # Weights on one device are rearranged by numpy on the host (a start packs every layer:
-    # eager jnp ops cost a dispatch, and a compile per shape, each) and put back on that
-    # device; traced or sharded ones by jnp.
-    xp = np if all(_one_device(a) for a in (codes, d, m)) else jnp
+    xp = array_module(codes, d, m)  # numpy for weights on one device (host_layout.py)
     c = xp.asarray(codes).astype(np.uint8).reshape(G, 2, 4, 4, P, PANEL)  # g, half, h, i, p, j
     c = c.transpose(4, 0, 2, 5, 3, 1)  # p, g, h, j, i, half
     packed = c.reshape(K, N).astype(jnp.uint4)
     dtype = scale_dtype(d, m)
 
     def panels(s):
-        return _placed(xp.asarray(s).astype(dtype).reshape(G, P, PANEL).transpose(1, 0, 2), s)
-    return _placed(packed, codes), panels(d), panels(m)
-
-
-def _one_device(a) -> bool:
-    """A numpy array, or a concrete jax array whole on one device."""
-    if isinstance(a, jax.core.Tracer):
-        return False
-    return not isinstance(a, jax.Array) or len(a.sharding.device_set) == 1
-
-
-def _placed(x, like):
-    """x as a jax array where `like` is (a tensor-parallel block stays on its own device)."""
-    if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer):
-        return jax.device_put(x, like.sharding) if isinstance(x, np.ndarray) else x
-    return jnp.asarray(x)
+        return placed(xp.asarray(s).astype(dtype).reshape(G, P, PANEL).transpose(1, 0, 2), s)
+    return placed(packed, codes), panels(d), panels(m)
 
 
 def unpack_panels(packed, dp, mp):

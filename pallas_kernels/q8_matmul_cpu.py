@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.host_layout import array_module, placed
 
 PANEL = 16  # output channels per panel: what the kernel's tiles are written for
 BLOCK = 512  # values of k the kernel sums as int32 before going to float
@@ -25,8 +26,9 @@ def pack_panels(values):
     The result keeps the [in, out] shape (Flax checks a weight's shape against its
     declaration); only the order of the bytes differs."""
     K, N = values.shape
-    v = jnp.asarray(values).reshape(K // 2, 2, N // PANEL, PANEL)
-    return v.transpose(2, 0, 3, 1).reshape(K, N)
+    xp = array_module(values)  # numpy for weights on one device (host_layout.py)
+    v = xp.asarray(values).reshape(K // 2, 2, N // PANEL, PANEL)
+    return placed(v.transpose(2, 0, 3, 1).reshape(K, N), values)
 
 
 def unpack_panels(panels):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.host_layout import array_module, placed
 from pallas_kernels.q4_matmul_cpu import GROUP  # values of the input axis per scale and zero
 from quant.array import QuantArray, ValuesShaped
 from quant.int8_groups import Int8GroupArray
@@ -90,5 +91,7 @@ def matmul_int4(x, w: Int4Array):
 
 def concat_int4(arrays: list[Int4Array]) -> Int4Array:
     """Joined along the output axis (q/k/v, gate/up)."""
-    return Int4Array(*(jnp.concatenate([getattr(a, f) for a in arrays], axis=-1)
-                       for f in ("values", "scale", "zero")))
+    fields = [[getattr(a, f) for a in arrays] for f in ("values", "scale", "zero")]
+    xp = array_module(*(x for parts in fields for x in parts))  # numpy on one device
+    return Int4Array(*(placed(xp.concatenate([xp.asarray(x) for x in parts], axis=-1), parts[0])
+                       for parts in fields))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi, dense_matmul_cpu, q4_matmul_cpu, q8_0_matmul_cpu
+from pallas_kernels.host_layout import array_module, placed
 from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul
 from quant.array import QuantArray
 from quant.int4 import Int4Array
@@ -57,8 +58,9 @@ def pack_head(table: QuantArray) -> PackedQ8 | None:
     if not (isinstance(table, QuantArray) and table.scheme == "int8"
             and table.ndim == 2 and table.scale.shape[-1] == 1):
         return None
-    head = QuantArray(table.values.T, table.scale.T)  # [hidden, vocab], per output channel
-    return pack(head) if packable(head) else None
+    xp = array_module(table.values, table.scale)  # numpy on one device (host_layout.py)
+    head = QuantArray(*(placed(xp.asarray(a).T, a) for a in (table.values, table.scale)))
+    return pack(head) if packable(head) else None  # [hidden, vocab], per output channel
 
 
 def matmul(x, w: PackedQ8):
