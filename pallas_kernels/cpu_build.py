@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
@@ -96,22 +96,7 @@ def _build(compiler: str, kernel: str, out: Path) -> None:
         os.replace(tmp_out, out)  # atomic: a concurrent builder sees all of it or nothing
 
 
-def missing(compiler: str, kernels=KERNELS) -> list[str]:
-    """Those of `kernels` whose library is not built."""
-    return [k for k in kernels if not library_path(compiler, k).exists()]
-
-
-def build_missing(compiler: str) -> None:
-    """Builds every kernel whose library is not in the cache, a compiler a core: a first
-    start needs most of them, and one at a time they took ~30 s of a cold start. A failed
-    build raises."""
-    todo = missing(compiler)
-    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        for done in [pool.submit(_build, compiler, k, library_path(compiler, k)) for k in todo]:
-            done.result()
-
-
-# library path -> its build started by start_building (done or not)
+# library path -> its build, started by this process (done or not)
 _started: dict[Path, Future] = {}
 _ahead = False  # start_building was called: a kernel outside AHEAD is built alone
 _lock = threading.Lock()
@@ -122,30 +107,20 @@ def _gpu_plugin_installed() -> bool:
     return bool(importlib.metadata.entry_points(group="jax_plugins"))
 
 
-def start_building() -> bool:
-    """Starts building the missing libraries of AHEAD on threads, a compiler a core, for a
-    process about to need them (a server on a CPU) to do its own start-up meanwhile.
-    `ensure_built` waits for the one it is asked for; a failure there is left for
-    `ensure_built` to raise. False (nothing started) without a compiler or AVX2, with a GPU
-    plugin installed, or with nothing missing."""
-    global _ahead
-    found = compiler()
-    if found is None or _gpu_plugin_installed():
-        return False
+def _start(compiler: str, kernels) -> list[Future]:
+    """Starts building those of `kernels` neither built nor under way, each build a Future
+    in `_started`, on daemon threads a compiler a core (a server that stops during start-up
+    does not wait for them); returns the builds it started."""
     with _lock:
-        _ahead = True
-        todo = [(k, library_path(found, k)) for k in missing(found, AHEAD)]
-        todo = [(k, path) for k, path in todo if path not in _started]
+        todo = [(k, path) for k in kernels
+                if not (path := library_path(compiler, k)).exists() and path not in _started]
         for _, path in todo:
             _started[path] = Future()
-    if not todo:
-        return False
     queue = iter(todo)  # shared by the workers; next() on it holds the GIL
-    for _ in range(max(1, min(len(todo), os.cpu_count() or 1))):
-        # Daemon threads: a server that stops during start-up does not wait for them.
-        threading.Thread(target=_worker, args=(found, queue), daemon=True,
+    for _ in range(min(len(todo), os.cpu_count() or 1)):
+        threading.Thread(target=_worker, args=(compiler, queue), daemon=True,
                          name="cpu-kernel-build").start()
-    return True
+    return [_started[path] for _, path in todo]
 
 
 def _worker(compiler: str, queue) -> None:
@@ -157,21 +132,32 @@ def _worker(compiler: str, queue) -> None:
             _started[path].set_exception(e)
 
 
+def start_building() -> bool:
+    """Starts building the missing libraries of AHEAD, for a process about to need them (a
+    server on a CPU) to do its own start-up meanwhile; `ensure_built` waits for the one it
+    is asked for and raises its failure. False (nothing started) without a compiler or AVX2,
+    with a GPU plugin installed, or with nothing missing."""
+    global _ahead
+    found = compiler()
+    if found is None or _gpu_plugin_installed():
+        return False
+    _ahead = True
+    return bool(_start(found, AHEAD))
+
+
 def ensure_built(compiler: str, kernel: str) -> Path:
-    """The library of `kernel`: waits for its build if `start_building` began one, else
-    builds it now unless it is built: alone in a process that called `start_building`
-    (the others are under way or not needed), else with every other missing one. A failed
-    build raises."""
+    """The library of `kernel`, waiting for its build. One not built nor under way is built
+    now: alone in a process that called `start_building` (the others are under way or not
+    needed), else with every other missing one (a first start needs most of them, and one
+    at a time they took ~30 s of it). A failed build raises."""
     path = library_path(compiler, kernel)
+    if not path.exists():
+        for build in _start(compiler, [kernel] if _ahead else KERNELS):
+            build.exception()  # waits: a process leaves with every build it began finished
     with _lock:
-        started, ahead = _started.get(path), _ahead
+        started = _started.get(path)
     if started is not None:
         error = started.exception()  # waits for it
         if error is not None and not path.exists():
             raise error
-    elif not path.exists():
-        if ahead:
-            _build(compiler, kernel, path)
-        else:
-            build_missing(compiler)
     return path

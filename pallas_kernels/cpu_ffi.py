@@ -6,7 +6,8 @@ as gathers plus small batched dots. The kernels here fill those two gaps on CPUs
 the Pallas kernels. Each is built into `~/.cache/xlaserve/cpu-kernels` (or
 `$XLASERVE_CPU_KERNEL_DIR`) once per source, flags, jaxlib and CPU, so a second process loads
 the library at once. The first kernel asked for builds every missing library, a compiler per
-core; a server starts those builds before it imports JAX (`cpu_build.start_building`).
+core; a server starts building the ones every CPU server asks for before it imports JAX
+(`cpu_build.start_building`) and waits for each alone.
 
 `available(kernel)` is False where there is no compiler or no x86-64 AVX2/FMA CPU; callers
 then keep the plain-XLA path. `XLASERVE_CPU_KERNELS=0` turns the kernels off.
