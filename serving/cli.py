@@ -302,11 +302,14 @@ def main(argv=None) -> int:
 
 
 async def _serve(engine, args, chat: tuple[str | None, str | None], started: float) -> int:
-    from serving.openai.api_server import run_server
     from serving.engine.async_engine import AsyncEngine
     async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
     if engine.cluster is not None:  # a follower gone: fail what is in flight, then exit 1
         engine.cluster.on_lost.append(async_engine.fail_everything)
+    # /health answers 503 while the programs compile; warm-up runs off the event loop, and
+    # starts first: the server's imports run while its programs load.
+    warm = _start_in_background(async_engine)
+    from serving.openai.api_server import run_server
     name = _served_name(args)
     chat_template, tool_call_parser = chat
     server = asyncio.create_task(run_server(
@@ -315,8 +318,6 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
         chat_template=chat_template, tool_call_parser=tool_call_parser,
         access_log=not args.disable_access_log, reasoning_parser=args.reasoning_parser,
         disable_responses_store=args.disable_responses_store))
-    # /health answers 503 while the programs compile; warm-up runs off the event loop.
-    warm = _start_in_background(async_engine)
     try:
         await asyncio.wait({server, warm}, return_when=asyncio.FIRST_COMPLETED)
         if not warm.done():  # SIGTERM during warm-up, or the server could not start

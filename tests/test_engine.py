@@ -524,3 +524,27 @@ def test_async_engine_wakes_the_loop_once_a_step(tiny):
         assert sum((o.new_token_ids for o in outs), []) == want.token_ids
     assert sum(len(outs) for outs in results) > 4 * len(steps)  # steps carry several outputs
     assert len(wakeups) <= len(steps)
+
+
+@pytest.mark.parametrize("has_llguidance", [True, False])
+def test_start_builds_the_grammar_compiler_or_starts_without_it(tiny, monkeypatch, caplog,
+                                                                 has_llguidance):
+    """Warm-up builds structured outputs' compiler beside the programs. Where it cannot be
+    built (no llguidance installed) the engine starts all the same and refuses constraints."""
+    from serving.core import grammar
+    monkeypatch.setattr(tiny.engine, "_grammar_compiler", None)
+    if not has_llguidance:
+        monkeypatch.setattr(grammar, "llguidance", None)
+    async_engine = AsyncEngine(tiny.engine)
+    async_engine.start()
+    try:
+        assert async_engine.ready
+        if has_llguidance:
+            assert isinstance(tiny.engine._grammar_compiler, grammar.GrammarCompiler)
+        else:
+            assert tiny.engine._grammar_compiler is None
+            assert "need the llguidance package" in caplog.text
+            with pytest.raises(grammar.GrammarRefused, match="llguidance"):
+                tiny.engine.grammar_compiler
+    finally:
+        async_engine.shutdown()

@@ -22,7 +22,6 @@ import numpy as np
 
 try:
     import llguidance
-    import llguidance.hf
     import llguidance.numpy as lnp
 except ImportError:  # an environment without it (a GPU machine's fixed one): no constraints
     llguidance = lnp = None
@@ -135,6 +134,7 @@ class GrammarCompiler:
         # emit (an embedding with fewer rows): its masks are that wide, and cut to ours.
         ll_vocab = max(vocab_size, len(tokenizer))
         self.ll_width = bitmask_width(ll_vocab)
+        import llguidance.hf  # imports transformers: here, not when the engine's modules load
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, ll_vocab, eos_token=self.eos_token_ids or None, slices=SLICES)
         self.max_cached, self.timeout_s = max_cached, timeout_s

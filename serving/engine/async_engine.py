@@ -128,11 +128,24 @@ class AsyncEngine:
     def start(self, warmup: bool = True) -> None:
         """Warms up (compiling every bucket), then starts the step loop."""
         if warmup:
-            self.engine.warmup()
+            # Structured outputs' compiler is built now, not on the first constrained
+            # request, beside the programs loading (it is Python and Rust; they are XLA's).
+            grammar = None
             if self.engine.tokenizer is not None:
-                self.engine.grammar_compiler  # built now, not on the first constrained request
+                grammar = threading.Thread(target=self._build_grammar_compiler,
+                                           name="xlaserve-grammar", daemon=True)
+                grammar.start()
+            self.engine.warmup()
+            if grammar is not None:
+                grammar.join()
         self._thread.start()
         self.ready = True
+
+    def _build_grammar_compiler(self) -> None:
+        try:
+            self.engine.grammar_compiler
+        except Exception as e:  # noqa: BLE001 - raised again, as a request's error, when used
+            log.warning("structured outputs' compiler could not be built: %s", e)
 
     def shutdown(self) -> None:
         with self._wake:

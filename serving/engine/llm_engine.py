@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -84,11 +85,14 @@ class LLMEngine:
         DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
-        self.cfg, params = load_weights(self.model_dir, ec, dtype)
+        # The tokenizer (importing transformers, most of a second) loads beside the weights.
+        with ThreadPoolExecutor(1, thread_name_prefix="xlaserve-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, ec.tokenizer or self.model_dir)
+            self.cfg, params = load_weights(self.model_dir, ec, dtype)
+            self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
+            self.tokenizer = tokenizer.result()
         self.cfg = mesh.with_expert_parallel(self.cfg, ec.tensor_parallel_size,
                                              ec.enable_expert_parallel)
-        self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
-        self.tokenizer = load_tokenizer(ec.tokenizer or self.model_dir)
         # --task embed: pooler and model facts (a bad --pooler-config fails here)
         self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
                          if self.task == "embed" else None)
