@@ -14,9 +14,11 @@ import logging
 import threading
 import traceback
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from serving.core.grammar import GrammarRefused
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import SamplingParams
 from serving.core.spec_decode import SpecDecodeStats
@@ -130,22 +132,15 @@ class AsyncEngine:
         if warmup:
             # Structured outputs' compiler is built now, not on the first constrained
             # request, beside the programs loading (it is Python and Rust; they are XLA's).
-            grammar = None
-            if self.engine.tokenizer is not None:
-                grammar = threading.Thread(target=self._build_grammar_compiler,
-                                           name="xlaserve-grammar", daemon=True)
-                grammar.start()
-            self.engine.warmup()
-            if grammar is not None:
-                grammar.join()
+            with ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar") as pool:
+                grammar = pool.submit(lambda: self.engine.grammar_compiler)
+                self.engine.warmup()
+            try:
+                grammar.result()
+            except GrammarRefused as e:  # no tokenizer or no llguidance: requests refused
+                log.warning("structured outputs are off: %s", e)
         self._thread.start()
         self.ready = True
-
-    def _build_grammar_compiler(self) -> None:
-        try:
-            self.engine.grammar_compiler
-        except Exception as e:  # noqa: BLE001 - raised again, as a request's error, when used
-            log.warning("structured outputs' compiler could not be built: %s", e)
 
     def shutdown(self) -> None:
         with self._wake:
@@ -186,7 +181,6 @@ class AsyncEngine:
         try:
             await asyncio.wait_for(future, compiler.timeout_s + 1.0)
         except asyncio.TimeoutError:
-            from serving.core.grammar import GrammarRefused
             raise GrammarRefused(f"compiling the {structured_outputs.kind} constraint took "
                                  f"longer than {compiler.timeout_s:g} s",
                                  param="structured_outputs") from None
