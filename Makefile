@@ -1,5 +1,5 @@
 # `make serve`: set up and serve the demo model.   `make test`: set up and run the tests.
-.PHONY: setup setup-test serve test
+.PHONY: setup setup-test serve test test-budget
 
 setup:
 	scripts/setup.sh
@@ -12,3 +12,8 @@ serve: setup
 
 test: setup-test
 	.venv/bin/python -m pytest -q $(ARGS)
+
+# The suite with each module's time and memory written to build/test-budget.md.
+test-budget: setup-test
+	mkdir -p build
+	.venv/bin/python -m pytest -q --budget-report build/test-budget.md $(ARGS)

@@ -9,6 +9,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests import lifetimes  # noqa: E402
+from tests.budget import (  # noqa: E402,F401  (hooks: time and memory per module)
+    pytest_addoption, pytest_runtest_logstart, pytest_sessionstart, pytest_terminal_summary)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    lifetimes.order_and_plan(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its module fixtures torn down): free what it built."""
+    try:
+        return (yield)
+    finally:
+        module = lifetimes.module_of(item)
+        if nextitem is None:
+            lifetimes.release_all()
+            lifetimes.free_memory()
+        elif lifetimes.module_of(nextitem) != module:
+            lifetimes.release(module)
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir():
@@ -28,9 +50,21 @@ def demo_checkpoint(demo_model_dir):
 
 
 @pytest.fixture(scope="session")
+def demo_llm(demo_checkpoint):
+    """One demo-model LLM (tests/demo_engine.py's options) for the modules that ask for it,
+    closed after the last of them (tests/lifetimes.py)."""
+    import contextlib
+
+    from serving import LLM
+    from tests.demo_engine import DEMO_OPTIONS
+    return lifetimes.shared("demo_llm", contextlib.nullcontext(
+        LLM(str(demo_checkpoint), **DEMO_OPTIONS)))
+
+
+@pytest.fixture(scope="session")
 def shared_server(demo_checkpoint):
     """One demo-model server (tests/server_util.py: live_server) for the test modules that
-    only send it traffic and leave it clean (fuzzing, overload, security): one warm-up."""
+    only send it traffic and leave it clean (fuzzing, overload, security): one warm-up,
+    closed after the last of them (tests/lifetimes.py)."""
     from tests.server_util import live_server
-    with live_server(demo_checkpoint) as server:
-        yield server
+    return lifetimes.shared("shared_server", live_server(demo_checkpoint))

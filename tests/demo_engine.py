@@ -1,22 +1,15 @@
-"""One demo-model LLM per test session, shared by the modules that need it (loading the
-weights takes seconds, each bucket program ~2 s to compile on a small CPU, then it is cached).
+"""The options of the demo-model LLM the modules that ask for the `demo_llm` fixture share
+(tests/conftest.py; built once, closed after its last user: tests/lifetimes.py).
 
 Its buckets are few on purpose: a decode bucket and a 32-token bucket, so a 16-request batch
 with prompts longer than the budget runs chunked prefill and mixed prefill/decode steps."""
 from __future__ import annotations
 
-import functools
-
-from serving import LLM, SamplingParams
+from serving import SamplingParams
 
 DEMO_OPTIONS = dict(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=32,
                     token_buckets=(8, 32), request_buckets=(8, 16), page_buckets=(8,),
                     progress=False)
-
-
-@functools.cache
-def demo_llm(checkpoint: str) -> LLM:
-    return LLM(checkpoint, **DEMO_OPTIONS)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:

@@ -11,7 +11,7 @@ from model.batch import sequences_batch
 from model.kv_cache import KVCache
 from model.transformer import forward
 from serving import SamplingParams
-from tests.demo_engine import demo_llm, greedy
+from tests.demo_engine import greedy
 
 CHAT = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
@@ -24,8 +24,8 @@ LOGITS_ATOL = 3e-4
 
 
 @pytest.fixture(scope="module")
-def llm(demo_checkpoint):
-    return demo_llm(str(demo_checkpoint))
+def llm(demo_llm):
+    return demo_llm
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from serving.core.request import Request
 from serving.core.scheduler import Scheduler, SchedulerConfig
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
-from tests.demo_engine import DEMO_OPTIONS, demo_llm, greedy
+from tests.demo_engine import DEMO_OPTIONS, greedy
 from tests.hf_tiny import tiny_hf_model
 from tests.test_engine import (PREEMPT_OPTIONS, PREEMPT_PAGES, TINY_OPTIONS,  # noqa: F401
                                tiny_model, torch_one_thread)
@@ -156,8 +156,8 @@ def test_preempted_requests_keep_their_tokens_with_a_draft_model(tiny_model,  # 
     assert accepted(on)[2] > 0 and pages_all_free(on)
 
 
-def test_the_demo_model_drafting_for_itself_accepts_every_token(demo_checkpoint):
-    off = demo_llm(str(demo_checkpoint))
+def test_the_demo_model_drafting_for_itself_accepts_every_token(demo_checkpoint, demo_llm):
+    off = demo_llm
     on = LLM(str(demo_checkpoint), speculative_config=draft_spec(demo_checkpoint, k=4),
              **DEMO_OPTIONS)
     prompts = [off.tokenizer.encode(p) for p in (

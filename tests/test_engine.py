@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import random
 import shutil
 
@@ -22,7 +21,7 @@ from model.checkpoint import convert_hf
 from model.kv_cache import bytes_per_page
 from serving import LLM, SamplingParams
 from serving.engine.async_engine import AsyncEngine
-from tests.demo_engine import demo_llm, greedy
+from tests.demo_engine import greedy
 from tests.hf_tiny import tiny_hf_model
 
 EOS = 2  # <|im_end|> in the demo tokenizer; the tiny models use the same id
@@ -54,8 +53,8 @@ def torch_one_thread():
 
 
 @pytest.fixture(scope="module")
-def demo(demo_checkpoint):
-    return demo_llm(str(demo_checkpoint))
+def demo(demo_llm):
+    return demo_llm
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +96,8 @@ def alone(llm: LLM, prompts, params) -> list[list[int]]:
     return [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
 
 
-@functools.cache
-def demo_alone(checkpoint: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    return demo_llm(checkpoint).generate([list(prompt)], greedy(max_tokens))[0].token_ids
+def demo_alone(demo, prompt: list[int], max_tokens: int) -> list[int]:
+    return demo.generate([prompt], greedy(max_tokens))[0].token_ids
 
 
 @contextlib.contextmanager
@@ -159,7 +157,7 @@ DEMO_TEXTS = [
 DEMO_MAX_TOKENS = [5, 1, 8, 3, 6, 2, 7, 4, 8, 3, 5, 1, 6, 2, 7, 4]
 
 
-def test_demo_batched_greedy_equals_each_alone(demo, demo_checkpoint):
+def test_demo_batched_greedy_equals_each_alone(demo):
     prompts = [demo.tokenizer.encode(t) for t in DEMO_TEXTS]
     assert sum(len(p) > 32 for p in prompts) >= 2  # longer than the step budget: chunked
     with recording(demo.engine) as (steps, _):
@@ -167,7 +165,7 @@ def test_demo_batched_greedy_equals_each_alone(demo, demo_checkpoint):
     assert_chunked_and_mixed(steps)
     for p, n, got in zip(prompts, DEMO_MAX_TOKENS, batched):
         assert len(got.token_ids) == n and got.finish_reason == "length"
-        assert got.token_ids == demo_alone(str(demo_checkpoint), tuple(p), n), demo.tokenizer.decode(p)
+        assert got.token_ids == demo_alone(demo, p, n), demo.tokenizer.decode(p)
 
 
 def test_tiny_batched_greedy_equals_each_alone(tiny):

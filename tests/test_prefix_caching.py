@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from serving import LLM, SamplingParams
-from tests.demo_engine import DEMO_OPTIONS, demo_llm, greedy
+from tests.demo_engine import DEMO_OPTIONS, greedy
 from tests.server_util import MODEL, live_server, metric, metrics
 
 pytestmark = pytest.mark.slow
@@ -47,8 +47,8 @@ def multi_turn(llm: LLM, max_tokens: int = 6) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def demo(demo_checkpoint):
-    return demo_llm(str(demo_checkpoint))
+def demo(demo_llm):
+    return demo_llm
 
 
 def test_multi_turn_greedy_tokens_are_the_same_without_the_cache(demo, demo_checkpoint):

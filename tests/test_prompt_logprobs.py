@@ -13,7 +13,6 @@ import torch
 
 from model.checkpoint import convert_hf
 from serving import LLM, SamplingParams
-from tests.demo_engine import demo_llm
 from tests.hf_tiny import FAMILIES, tiny_hf_model
 
 PAGE = 16  # the default page size
@@ -163,10 +162,10 @@ def test_max_logprobs_caps_requests(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_model_prompt_logprobs_match_transformers(demo_checkpoint, demo_model_dir):
+def test_demo_model_prompt_logprobs_match_transformers(demo_llm, demo_model_dir):
     """The demo model (its engine's 32-token budget chunks this 70-token prompt)."""
     import transformers
-    demo = demo_llm(str(demo_checkpoint))
+    demo = demo_llm
     hf = transformers.AutoModelForCausalLM.from_pretrained(demo_model_dir,
                                                            dtype=torch.float32).eval()
     text = ("Question: which planet is known as the red planet? Answer: Mars. Question: what "

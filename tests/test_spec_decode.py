@@ -21,7 +21,7 @@ from serving.core.spec_config import SpeculativeConfig
 from serving.engine.rejection_sampler import emitted_rows
 from serving.engine.sampler import sample
 from serving.engine.step_buffers import unpack
-from tests.demo_engine import demo_llm, greedy
+from tests.demo_engine import greedy
 from tests.test_engine import TINY_OPTIONS, tiny_model, torch_one_thread  # noqa: F401
 from tests.test_sampler import inputs
 
@@ -365,9 +365,9 @@ DEMO_PROMPTS = [
 ]
 
 
-def test_greedy_is_the_same_with_speculation_demo(demo_checkpoint):
+def test_greedy_is_the_same_with_speculation_demo(demo_checkpoint, demo_llm):
     from tests.demo_engine import DEMO_OPTIONS
-    off = demo_llm(str(demo_checkpoint))
+    off = demo_llm
     on = LLM(str(demo_checkpoint), speculative_config={**SPEC, "num_speculative_tokens": 4},
              **DEMO_OPTIONS)
     prompts = [off.tokenizer.encode(p) for p in DEMO_PROMPTS]

@@ -284,12 +284,11 @@ def test_langchain_with_structured_output(live):
 
 # -- the offline API ---------------------------------------------------------------------
 
-def test_offline_generate_with_structured_outputs(demo_checkpoint):
+def test_offline_generate_with_structured_outputs(demo_llm):
     from serving import SamplingParams
     from serving.core.grammar import GrammarRefused
     from serving.core.structured_outputs import StructuredOutputsParams
-    from tests.demo_engine import demo_llm
-    llm = demo_llm(str(demo_checkpoint))
+    llm = demo_llm
     schema = Address.model_json_schema()
     params = [SamplingParams(temperature=t, seed=s, max_tokens=100,
                              structured_outputs=StructuredOutputsParams(json=schema))

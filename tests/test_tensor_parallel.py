@@ -24,7 +24,6 @@ from model.config import ModelConfig
 from model.sharding import TensorParallelError, check_size, valid_sizes
 from serving import LLM
 from serving.cli import main
-from tests.demo_engine import demo_llm
 from tests.gguf_tiny import LLAMA3_ROPE, write_gguf
 from tests.hf_tiny import tiny_hf_model
 from tests.lora_tiny import make_adapter
@@ -144,8 +143,7 @@ CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8",
          "qwen3-moe-int8-expert-parallel", "gemma2", "demo")
 
 
-def demo_tp1(checkpoint) -> dict:
-    llm = demo_llm(str(checkpoint))
+def demo_tp1(llm) -> dict:
     results = llm.generate(PROMPTS, requests(MAX_TOKENS))
     return {"tokens": [r.token_ids for r in results],
             "logprobs": [[lp.logprob for lp in r.logprobs] if r.logprobs else None
@@ -155,10 +153,10 @@ def demo_tp1(checkpoint) -> dict:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_tokens_and_logprobs_equal_tp1(results, name, demo_checkpoint):
+def test_tokens_and_logprobs_equal_tp1(results, name, demo_llm):
     spec, out = results
     case, by_size = spec[name], out[name]
-    one = by_size["1"] if name != "demo" else demo_tp1(demo_checkpoint)
+    one = by_size["1"] if name != "demo" else demo_tp1(demo_llm)
     tokens = [t for seq in one["tokens"] for t in seq]
     assert len(set(tokens)) >= 4, f"{name}: degenerate output {one['tokens']}"  # a real check
     for n in map(str, case["sizes"][1:]):
