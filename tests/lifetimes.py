@@ -7,8 +7,10 @@ layers").
   that asks for the fixture `name`. Modules are ordered so that the users of each shared
   fixture run one after another (within that, in their usual order), so each is built once.
 - After every module: JAX's compilation and tracing caches are cleared (jitted helpers at a
-  module's top level and the programs under them), the garbage collected, and memory the
-  allocator holds free handed back to the operating system.
+  module's top level and the programs under them), and so is aiohttp's cache of built
+  middleware chains (keyed by handler and application, up to 1024 of them: it keeps every
+  test server's application, and through it its engine, alive); then the garbage is
+  collected and memory the allocator holds free handed back to the operating system.
 """
 from __future__ import annotations
 
@@ -81,6 +83,9 @@ def free_memory() -> None:
     import sys
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
+    web_app = sys.modules.get("aiohttp.web_app")
+    if web_app is not None and hasattr(web_app, "_cached_build_middleware"):
+        web_app._cached_build_middleware.cache_clear()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -78,6 +78,40 @@ def test_an_engine_a_module_dropped_is_freed(tmp_path):
     assert engine() is None and cache() is None, gc.get_referrers(engine() or cache())
 
 
+def test_a_server_that_answered_a_request_is_freed():
+    """aiohttp caches each handler's middleware chain with its application: released, a
+    test server's application (and the engine in its state) goes when the module ends."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    class Engine:  # stands for the engine an app's state holds
+        pass
+
+    engine = Engine()
+    key = web.AppKey("engine", Engine)
+
+    @web.middleware
+    async def passing(request, handler):  # servers have middlewares: the chain is cached
+        return await handler(request)
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def serve_one():
+        app = web.Application(middlewares=[passing])
+        app[key] = engine
+        app.router.add_get("/health", health)
+        async with TestClient(TestServer(app)) as client:
+            assert (await (await client.get("/health")).text()) == "ok"
+    asyncio.run(serve_one())
+    gone = weakref.ref(engine)
+    del engine
+    lifetimes.free_memory()
+    assert gone() is None
+
+
 def test_the_budget_counts_each_module():
     b = budget.Budget()
     try:
