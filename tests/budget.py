@@ -2,13 +2,17 @@
 process's resident memory when the module ends and its peak during it, and the peak of the
 whole process tree (servers and children the module started), sampled. The table is printed
 at the end of the run; `--budget-report FILE` writes it as Markdown too (`make test-budget`).
+Under pytest-xdist each worker measures its own modules and hands them to the controller,
+whose sampled peak covers every worker and their children.
 docs/architecture.md, "Test layers", says what the budget is and how tests keep within it."""
 from __future__ import annotations
 
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+import pytest
 
 import psutil
 
@@ -64,6 +68,7 @@ class Budget:
     modules: list[ModuleBudget] = field(default_factory=list)
     current: ModuleBudget | None = None
     tree_peak_now: int = 0
+    tree_peak_run: int = 0  # the whole run's, never reset
     started: float = field(default_factory=time.monotonic)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -78,6 +83,7 @@ class Budget:
             rss = _tree_rss(self.proc)
             with self.lock:
                 self.tree_peak_now = max(self.tree_peak_now, rss)
+                self.tree_peak_run = max(self.tree_peak_run, rss)
 
     def enter(self, module: str) -> None:
         if self.current is not None and self.current.name == module:
@@ -109,7 +115,7 @@ class Budget:
 
     def peaks(self) -> tuple[int, int]:
         return (max((m.peak_self for m in self.modules), default=0),
-                max((m.peak_tree for m in self.modules), default=0))
+                max(self.tree_peak_run, *(m.peak_tree for m in self.modules)))
 
     def table(self) -> str:
         rows = ["| module | tests | seconds | RSS after (GiB) | growth (GiB) | peak, test process (GiB) | peak, with children (GiB) |",
@@ -123,11 +129,12 @@ class Budget:
     def summary(self) -> str:
         peak_self, peak_tree = self.peaks()
         return (f"test budget: {self.total_minutes():.1f} min of tests, peak resident "
-                f"{peak_self / GIB:.2f} GiB in the test process, {peak_tree / GIB:.2f} GiB "
-                f"with its children")
+                f"{peak_self / GIB:.2f} GiB in one test process, {peak_tree / GIB:.2f} GiB "
+                f"for all its processes together")
 
 
 _budget: Budget | None = None
+_xdist_controller = False  # this process hands tests to pytest-xdist workers
 
 
 def pytest_addoption(parser):
@@ -136,14 +143,30 @@ def pytest_addoption(parser):
 
 
 def pytest_sessionstart(session):
-    global _budget
+    global _budget, _xdist_controller
     _budget = Budget()
+    _xdist_controller = (session.config.pluginmanager.hasplugin("dsession")
+                         and getattr(session.config.option, "numprocesses", None) not in (None, 0))
 
 
 def pytest_runtest_logstart(nodeid, location):
-    if _budget is not None:
+    if _budget is not None and not _xdist_controller:
         _budget.enter(nodeid.split("::")[0])
         _budget.current.tests += 1
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker: its modules go to the controller."""
+    if _budget is not None and hasattr(session.config, "workeroutput"):
+        _budget.close()
+        session.config.workeroutput["budget"] = [asdict(m) for m in _budget.modules]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller: a worker's modules, measured there."""
+    if _budget is not None:
+        _budget.modules += [ModuleBudget(**m) for m in node.workeroutput.get("budget", [])]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

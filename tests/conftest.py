@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests import lifetimes  # noqa: E402
 from tests.budget import (  # noqa: E402,F401  (hooks: time and memory per module)
-    pytest_addoption, pytest_runtest_logstart, pytest_sessionstart, pytest_terminal_summary)
+    pytest_addoption, pytest_runtest_logstart, pytest_sessionfinish, pytest_sessionstart,
+    pytest_terminal_summary, pytest_testnodedown)
 
 
 def pytest_collection_modifyitems(session, config, items):
