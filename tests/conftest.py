@@ -25,12 +25,8 @@ def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)
     finally:
-        module = lifetimes.module_of(item)
-        if nextitem is None:
-            lifetimes.release_all()
-            lifetimes.free_memory()
-        elif lifetimes.module_of(nextitem) != module:
-            lifetimes.release(module)
+        if nextitem is None or lifetimes.module_of(nextitem) != lifetimes.module_of(item):
+            lifetimes.release(lifetimes.module_of(item), last=nextitem is None)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
 
 # Session fixtures built through shared(), in the order their users run.
 SHARED = ("demo_llm", "shared_server")
@@ -65,18 +66,15 @@ def order_and_plan(items: list) -> None:
         later |= uses[m]
 
 
-def release(module: str) -> None:
-    """After `module`'s last test: close the shared fixtures no later module uses, then free
-    what JAX and the allocator still hold."""
-    needed = _still_needed.get(module, set())
+def release(module: str, last: bool = False) -> None:
+    """After `module`'s last test: close the shared fixtures no later module uses (all of
+    them after the run's `last` test), then free what JAX and the allocator still hold."""
+    needed = set() if last else _still_needed.get(module, set())
+    if not last and os.environ.get("PYTEST_XDIST_WORKER"):  # a pytest-xdist worker is handed
+        needed = set(_live)  # modules as it goes: its shared fixtures live as long as it does
     for name in [n for n in _live if n not in needed]:
         _live.pop(name).close()
     free_memory()
-
-
-def release_all() -> None:
-    for name in list(_live):
-        _live.pop(name).close()
 
 
 def free_memory() -> None:

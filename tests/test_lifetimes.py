@@ -22,6 +22,7 @@ class FakeItem:
 def test_users_of_a_shared_fixture_run_together_and_it_closes_after_the_last(monkeypatch):
     monkeypatch.setattr(lifetimes, "_still_needed", {})
     monkeypatch.setattr(lifetimes, "_live", {})
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     items = [FakeItem("a.py::t1", ("shared_server",)), FakeItem("b.py::t1"),
              FakeItem("c.py::t1", ("demo_llm",)), FakeItem("c.py::t2"),
              FakeItem("d.py::t1", ("demo_llm", "shared_server")), FakeItem("e.py::t1")]
