@@ -12,9 +12,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-import pytest
-
 import psutil
+import pytest
 
 GIB = 1 << 30
 SAMPLE_S = 0.2
@@ -115,7 +114,7 @@ class Budget:
 
     def peaks(self) -> tuple[int, int]:
         return (max((m.peak_self for m in self.modules), default=0),
-                max(self.tree_peak_run, *(m.peak_tree for m in self.modules)))
+                max([self.tree_peak_run, *(m.peak_tree for m in self.modules)]))
 
     def table(self) -> str:
         rows = ["| module | tests | seconds | RSS after (GiB) | growth (GiB) | peak, test process (GiB) | peak, with children (GiB) |",

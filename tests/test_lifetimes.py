@@ -131,3 +131,9 @@ def test_the_budget_counts_each_module():
     assert x.peak_self >= x.rss_before + (60 << 20)  # the 64 MiB showed in x.py's peak
     assert x.peak_tree >= x.peak_self
     assert "| x.py | 2 |" in b.table() and "min of tests" in b.summary()
+
+
+def test_the_budget_of_a_run_without_tests():  # --collect-only still prints the summary
+    b = budget.Budget()
+    b.close()
+    assert "min of tests" in b.summary()
