@@ -108,7 +108,7 @@ def cases(models, demo_checkpoint) -> dict:
             options=dict(cpu, quantize="int8", enable_expert_parallel=True)),
         "gemma2": dict(model=str(models["gemma2"]), sizes=[1, 4],
                        options=dict(cpu, quantize="none"), kv_heads=1),
-        # 9 heads, 3 KV heads; TP=1 is the session's shared demo engine (tests/demo_engine.py,
+        # 9 heads, 3 KV heads; TP=1 is the shared demo engine (the demo_llm fixture,
         # its checkpoint as converted), which other modules reuse.
         "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
     }
