@@ -130,3 +130,17 @@ def test_incref_keeps_a_page_until_the_last_owner_frees_it():
 def test_too_small_pool_is_refused():
     with pytest.raises(ValueError):
         PageAllocator(1)
+
+
+def test_reset_cache_forgets_cached_pages_only_when_none_is_held():
+    a = PageAllocator(5)
+    pages = a.allocate(2)
+    a.cache_page(pages[0], b"h0")
+    a.cache_page(pages[1], b"h1")
+    a.free([pages[1]])
+    assert not a.reset_cache()  # pages[0] is still held: nothing changes
+    assert a.lookup(b"h0") == pages[0] and a.lookup(b"h1") == pages[1]
+    a.free([pages[0]])
+    assert a.reset_cache()
+    assert a.lookup(b"h0") is None and a.lookup(b"h1") is None
+    assert a.num_cached_pages == 0 and a.num_free_pages == 4

@@ -174,6 +174,11 @@ class KVCacheManager:
         self._num_cached.pop(rid, None)
         self._num_skipped.pop(rid, None)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page; False while a request holds pages (see
+        PageAllocator.reset_cache)."""
+        return self.allocator.reset_cache()
+
     # -- introspection ----------------------------------------------------------------------
 
     def num_live_pages(self, request_id: str) -> int:

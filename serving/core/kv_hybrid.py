@@ -74,6 +74,12 @@ class HybridKVCacheManager:
         self.full.cache_computed(req)
         self.window.cache_computed(req)
 
+    def reset_prefix_cache(self) -> bool:
+        """Both pools forget their cached pages, or neither does (a request holds pages)."""
+        if self.full.allocator.num_used_pages or self.window.allocator.num_used_pages:
+            return False
+        return self.full.reset_prefix_cache() and self.window.reset_prefix_cache()
+
     def trim(self, req: Request) -> None:
         self.full.trim(req)
         self.window.trim(req)

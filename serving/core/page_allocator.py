@@ -134,6 +134,16 @@ class PageAllocator:
         self._cached[page_hash] = page
         return True
 
+    def reset_cache(self) -> bool:
+        """Forgets every cached page (vLLM's reset_prefix_cache, SGLang's flush_cache): only
+        when no page is referenced, so no running request loses what it reads; False (and
+        nothing changes) otherwise."""
+        if self.num_used_pages:
+            return False
+        for page in list(self._cached.values()):
+            self._evict(page)
+        return True
+
     def _evict(self, page: int) -> None:
         h = self._page_hash[page]
         if h is not None:

@@ -289,6 +289,13 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self.outputs.forget(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page (the /reset_prefix_cache and /flush_cache endpoints);
+        False, changing nothing, while any request is unfinished."""
+        if self.has_unfinished:
+            return False
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
     @property
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished or bool(self._pending.requests)
