@@ -64,6 +64,11 @@ class EngineConfig:
     # a mixture of experts' experts split whole over those devices rather than each expert
     # split like the MLP (vLLM's --enable-expert-parallel; model/sharding.py)
     enable_expert_parallel: bool = False
+    # data parallelism in one server (vLLM's -dp; serving/engine/data_parallel.py): this
+    # replica's rank among data_parallel_size, its devices the rank-th group of
+    # tensor_parallel_size after the first
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # several processes, one model (jax.distributed's names; serving/engine/multiprocess.py):
     # process 0's HOST:PORT, how many processes, and this one's id (0 serves HTTP)
     coordinator_address: str | None = None
