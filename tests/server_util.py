@@ -81,13 +81,16 @@ def stream(port: int, path: str, body: dict) -> list[dict]:
 
 
 def metrics(port: int) -> dict[tuple[str, tuple], float]:
+    """The server's series by (name, labels); what each engine (data-parallel replica)
+    reports under its `engine` label is summed over the engines."""
     status, _, raw = request(port, "GET", "/metrics")
     assert status == 200
-    out = {}
+    out: dict[tuple[str, tuple], float] = {}
     for family in text_string_to_metric_families(raw.decode()):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            out[(s.name, labels)] = s.value
+            labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("model_name", "engine")))
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
     return out
 
 

@@ -23,6 +23,7 @@ from serving.openai.api_server import build_app, run_server
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.core.outputs import RequestOutput, TokenLogprob
 from serving.core.sampling_params import SamplingParams
+from serving.core.config import EngineConfig
 
 MODEL = "tiny-test"
 
@@ -293,9 +294,18 @@ class FakeEngine:
         self.aborted_event = asyncio.Event()
         self.hold = None  # (entered, gate) events: a request waits for the gate before its output
         self.script = None  # token ids every request outputs instead of its reversed prompt
+        self.config, self.num_pages, self.model_dir = EngineConfig(), 65, "fake-model-dir"
+        self.task = "generate"
+        self.reset_ok = True  # what reset_prefix_cache answers (False: requests running)
 
     def stats(self):
         return self.stats_
+
+    def replica_stats(self):
+        return [self.stats()]
+
+    async def reset_prefix_cache(self):
+        return self.reset_ok
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -778,12 +788,12 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
             assert r.headers["Content-Type"].startswith("text/plain")
             text = await r.text()
             for line in ['xlaserve:generation_tokens_total{model_name="tiny-test"} 2.0',
-                         'xlaserve:num_requests_running{model_name="tiny-test"} 3.0',
-                         'xlaserve:num_requests_waiting{model_name="tiny-test"} 1.0',
-                         'xlaserve:kv_cache_usage_perc{model_name="tiny-test"} 0.5',
-                         'xlaserve:num_preemptions_total{model_name="tiny-test"} 4.0',
-                         'xlaserve:prefix_cache_queries_total{model_name="tiny-test"} 120.0',
-                         'xlaserve:prefix_cache_hits_total{model_name="tiny-test"} 96.0',
+                         'xlaserve:num_requests_running{engine="0",model_name="tiny-test"} 3.0',
+                         'xlaserve:num_requests_waiting{engine="0",model_name="tiny-test"} 1.0',
+                         'xlaserve:kv_cache_usage_perc{engine="0",model_name="tiny-test"} 0.5',
+                         'xlaserve:num_preemptions_total{engine="0",model_name="tiny-test"} 4.0',
+                         'xlaserve:prefix_cache_queries_total{engine="0",model_name="tiny-test"} 120.0',
+                         'xlaserve:prefix_cache_hits_total{engine="0",model_name="tiny-test"} 96.0',
                          'xlaserve:request_success_total{finished_reason="length",'
                          'model_name="tiny-test"} 1.0',
                          'xlaserve:time_to_first_token_seconds_count{model_name="tiny-test"} 1.0',
@@ -792,6 +802,59 @@ def test_models_tokenize_detokenize_metrics(engine, tokenizer):
                          'xlaserve:prompt_tokens_total{model_name="tiny-test"} ']:
                 assert line in text, line
             assert "xlaserve:request_queue_time_seconds" in text
+    run(go())
+
+
+def test_worker_endpoints_and_vllm_metric_names(engine, tokenizer):
+    """What routers call on a worker (docs/architecture.md, "Fleets"), and the series they
+    read under vLLM's names."""
+    async def go():
+        async with serve(engine) as client:
+            engine.stats_ = Stats(3, 2, 0.5, 1, prefix_cache_queries=200, prefix_cache_hits=50)
+            text = await (await client.get("/metrics")).text()
+            for line in ['vllm:num_requests_running{engine="0",model_name="tiny-test"} 3.0',
+                         'vllm:num_requests_waiting{engine="0",model_name="tiny-test"} 2.0',
+                         'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-test"} 0.5',
+                         'vllm:gpu_cache_usage_perc{engine="0",model_name="tiny-test"} 0.5',
+                         'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-test"} 50.0',
+                         'vllm:gpu_prefix_cache_hit_rate{engine="0",model_name="tiny-test"} 0.25',
+                         'vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+                         'enable_prefix_caching="True",engine="0",model_name="tiny-test",'
+                         'num_gpu_blocks="64"} 1.0']:
+                assert line in text, line
+            assert "vllm:time_to_first_token_seconds_bucket" in text
+
+            load = await (await client.get("/get_load")).json()
+            assert load == [{"dp_rank": 0, "num_reqs": 5, "num_running_reqs": 3,
+                             "num_waiting_reqs": 2, "num_tokens": 512}]
+            info = await (await client.get("/server_info")).json()
+            assert (info["served_model_name"], info["tp_size"], info["dp_size"],
+                    info["page_size"]) == (MODEL, 1, 1, 16)
+            model_info = await (await client.get("/get_model_info")).json()
+            assert model_info["is_generation"] and model_info["model_path"] == "fake-model-dir"
+
+            msgs = [{"role": "user", "content": "hello there"}]
+            rendered = await (await client.post("/v1/chat/completions/render",
+                                                json={"model": MODEL, "messages": msgs})).json()
+            expected = await (await client.post("/tokenize", json={"messages": msgs})).json()
+            assert rendered["token_ids"] == expected["tokens"] and rendered["model"] == MODEL
+            rendered = await (await client.post("/v1/completions/render", json={
+                "prompt": ["hello", "5 6"]})).json()
+            assert [r["token_ids"] for r in rendered] == [tokenizer.encode("hello"), tokenizer.encode("5 6")]
+            rendered = await (await client.post("/v1/completions/render", json={
+                "prompt": [5, 6, 7]})).json()
+            assert [r["token_ids"] for r in rendered] == [[5, 6, 7]]
+            await _error(await client.post("/v1/chat/completions/render", json={
+                "messages": msgs, "model": "nope"}), 404, "model")
+            await _error(await client.post("/v1/completions/render", json={
+                "prompt": [10 ** 9]}), 400, "prompt")
+
+            r = await client.post("/reset_prefix_cache")
+            assert r.status == 200
+            assert (await client.post("/flush_cache")).status == 200
+            engine.reset_ok = False  # requests running: nothing is reset, and the caller knows
+            await _error(await client.post("/flush_cache"), 400, code="requests_running")
+            await _error(await client.post("/reset_prefix_cache"), 400, code="requests_running")
     run(go())
 
 

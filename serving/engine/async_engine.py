@@ -10,6 +10,7 @@ request are handled inside LLMEngine.step and fail that request alone.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import traceback
@@ -117,6 +118,9 @@ class AsyncEngine:
         self.task = engine.task  # "generate" or "embed"
         # --task embed: what the model allows (core/pooling_params.EmbeddingSpec); else None
         self.embedding = engine.embedder.spec if engine.embedder else None
+        self.config = engine.config  # what the worker endpoints (/server_info, ...) report
+        self.model_dir = engine.model_dir
+        self.num_pages = engine.num_pages
         self.ready = False
         self.dead: str | None = None  # why the engine died, once it has
         self.on_dead: list = []  # callables, run on the engine thread when it dies
@@ -197,6 +201,35 @@ class AsyncEngine:
                            s.num_generation_tokens_total,
                            s.spec_stats.snapshot() if self.engine.drafter else None,
                            *(_adapter_counts(s) if self.engine.lora else (None, None)))
+
+    def replica_stats(self) -> list[EngineStats]:
+        """One EngineStats per data-parallel replica: this engine is one."""
+        return [self.stats()]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page, on the engine thread between steps; False while any
+        request is unfinished (LLMEngine.reset_prefix_cache)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def reset() -> None:
+            try:
+                done.set_result(self.engine.reset_prefix_cache())
+            except Exception as e:  # noqa: BLE001 - the caller sees it
+                done.set_exception(e)
+
+        with self._wake:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine is dead: {self.dead}")
+            self._commands.append((reset, ()))
+            self._wake.notify()
+        result = asyncio.wrap_future(done)
+        while True:  # a death drops queued commands: never wait on one that will not run
+            finished, _ = await asyncio.wait({result}, timeout=0.5)
+            if finished:
+                return result.result()
+            if self.dead is not None:
+                result.cancel()
+                raise EngineDeadError(f"the engine is dead: {self.dead}")
 
     @property
     def lora(self):

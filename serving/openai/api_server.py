@@ -20,6 +20,7 @@ from serving.openai import responses
 from serving.openai import sse
 from serving.openai import responses_route
 from serving.openai import lora_routes
+from serving.openai import worker_routes
 from serving.openai.prompts import (chat_ids, chat_prompt, check_model, encode,
                                     forced_tool_call, prompt_choices, served_name)
 from serving.openai import embeddings
@@ -73,6 +74,7 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/openapi.json", openapi)
     lora_routes.add_routes(app)
+    worker_routes.add_routes(app)
     return app
 
 
@@ -203,10 +205,15 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    stats = state.engine.stats()
-    state.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
-                                   stats.num_preemptions_total,
-                                   stats.prefix_cache_queries, stats.prefix_cache_hits)
+    engine = state.engine
+    for rank, s in enumerate(engine.replica_stats()):
+        state.metrics.set_engine_stats(s.num_running, s.num_waiting, s.kv_cache_usage,
+                                       s.num_preemptions_total, s.prefix_cache_queries,
+                                       s.prefix_cache_hits, engine=rank)
+        state.metrics.set_cache_config(engine.config.page_size, engine.num_pages - 1,
+                                       engine.config.kv_cache_dtype,
+                                       engine.config.enable_prefix_caching, engine=rank)
+    stats = engine.stats()
     state.metrics.set_spec_decode_stats(stats.spec)
     lora = lora_routes.manager(state)
     if lora is not None:

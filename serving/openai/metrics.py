@@ -1,13 +1,16 @@
-"""Prometheus metrics with vLLM's names under the `xlaserve:` prefix.
+"""Prometheus metrics with vLLM's names under the `xlaserve:` prefix, and every one of them
+again under `vllm:` (serving/openai/metric_aliases.py), so the routers, autoscalers and
+dashboards built for vLLM read a worker unchanged.
 
 Each `Metrics` owns its own CollectorRegistry, so several servers in one process (tests) do
 not collide in prometheus_client's global registry. Every series carries a `model_name`
-label as vLLM's do, so existing vLLM dashboards work after renaming the prefix.
+label as vLLM's do, and what an engine reports its `engine` (data-parallel rank).
 """
 from __future__ import annotations
 
 import time
 
+from serving.openai.metric_aliases import vllm_aliases
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
@@ -40,18 +43,32 @@ class Metrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets,
                              registry=self.registry).labels(model_name)
 
-        self.num_requests_running = gauge("num_requests_running",
-                                          "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
-                                         "Fraction of KV cache pages in use (0 to 1).")
+        # What each engine (data-parallel replica) reports, labelled with its rank as vLLM's
+        # series are (`engine`).
+        per_engine = ["model_name", "engine"]
+        self._running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.",
+                              per_engine, registry=self.registry)
+        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to run.",
+                              per_engine, registry=self.registry)
+        self._kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
+                               "Fraction of KV cache pages in use (0 to 1).", per_engine,
+                               registry=self.registry)
+        self._preemptions = Counter(PREFIX + "num_preemptions_total", "Preempted requests.",
+                                    per_engine, registry=self.registry)
+        self._prefix_queries = Counter(PREFIX + "prefix_cache_queries",
+                                       "Prompt tokens looked up in the prefix cache.",
+                                       per_engine, registry=self.registry)
+        self._prefix_hits = Counter(PREFIX + "prefix_cache_hits",
+                                    "Prompt tokens found in the prefix cache.", per_engine,
+                                    registry=self.registry)
+        # vLLM's cache_config_info: value 1, the KV cache's facts as labels (llm-d reads
+        # block_size and num_gpu_blocks)
+        self._cache_info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache.",
+                                 ["model_name", "engine", "block_size", "num_gpu_blocks",
+                                  "cache_dtype", "enable_prefix_caching"],
+                                 registry=self.registry)
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.num_preemptions = counter("num_preemptions_total", "Preempted requests.")
-        self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.spec_num_drafts = counter(
             "spec_decode_num_drafts", "Request-steps that verified proposed tokens.")
         self.spec_num_draft_tokens = counter(
@@ -82,6 +99,7 @@ class Metrics:
                                 ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                                 registry=self.registry)
         self._seen: dict[str, int] = {}  # engine running totals already counted
+        self._aliases = vllm_aliases(self.registry)
 
     # -- called by the server -------------------------------------------------------------
 
@@ -107,13 +125,22 @@ class Metrics:
 
     def set_engine_stats(self, running: int, waiting: int, kv_usage: float,
                          preemptions_total: int, prefix_cache_queries: int = 0,
-                         prefix_cache_hits: int = 0) -> None:
-        self.num_requests_running.set(running)
-        self.num_requests_waiting.set(waiting)
-        self.kv_cache_usage_perc.set(kv_usage)
-        self._advance(self.num_preemptions, "preemptions", preemptions_total)
-        self._advance(self.prefix_cache_queries, "queries", prefix_cache_queries)
-        self._advance(self.prefix_cache_hits, "hits", prefix_cache_hits)
+                         prefix_cache_hits: int = 0, engine: int = 0) -> None:
+        """One engine's (data-parallel replica's) state and running totals."""
+        labels = (self.model_name, str(engine))
+        self._running.labels(*labels).set(running)
+        self._waiting.labels(*labels).set(waiting)
+        self._kv_usage.labels(*labels).set(kv_usage)
+        self._advance(self._preemptions.labels(*labels), f"preemptions_{engine}",
+                      preemptions_total)
+        self._advance(self._prefix_queries.labels(*labels), f"queries_{engine}",
+                      prefix_cache_queries)
+        self._advance(self._prefix_hits.labels(*labels), f"hits_{engine}", prefix_cache_hits)
+
+    def set_cache_config(self, page_size: int, num_pages: int, cache_dtype: str,
+                         enable_prefix_caching: bool, engine: int = 0) -> None:
+        self._cache_info.labels(self.model_name, str(engine), str(page_size), str(num_pages),
+                                cache_dtype, str(enable_prefix_caching)).set(1)
 
     def set_lora_stats(self, running: dict[str, int] | None, waiting: dict[str, int] | None,
                        max_lora: int) -> None:
@@ -144,7 +171,7 @@ class Metrics:
             self._seen[name] = total
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self._aliases)
 
     def track(self, num_prompt_tokens: int, arrival: float | None = None) -> "RequestTracker":
         return RequestTracker(self, num_prompt_tokens, arrival)
