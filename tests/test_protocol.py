@@ -827,6 +827,7 @@ def test_worker_endpoints_and_vllm_metric_names(engine, tokenizer):
             load = await (await client.get("/get_load")).json()
             assert load == [{"dp_rank": 0, "num_reqs": 5, "num_running_reqs": 3,
                              "num_waiting_reqs": 2, "num_tokens": 512}]
+            assert await (await client.get("/load")).json() == {"server_load": 5}
             info = await (await client.get("/server_info")).json()
             assert (info["served_model_name"], info["tp_size"], info["dp_size"],
                     info["page_size"]) == (MODEL, 1, 1, 16)

@@ -1,8 +1,9 @@
 """What the routers in front of a fleet call on a worker, in the shapes they parse.
 
-vllm-router polls `/get_load` and fans `/flush_cache` out; sglang-router reads `/server_info`
-(served name, dp_size) and `/get_model_info`, and expects `/get_load` as SGLang answers it, a
-list with one entry per data-parallel rank; cache-aware routing and llm-d's token producer
+vllm-router fans `/flush_cache` out and reads vLLM's `/load` in its disaggregated mode;
+sglang-router reads `/server_info` (served name, dp_size) and `/get_model_info`, and balances
+on `/get_load` as SGLang answers it, a list with one entry per data-parallel rank (vllm-router's
+own poll of `/get_load` wants an older object shape that vLLM workers do not serve either); cache-aware routing and llm-d's token producer
 render prompts to token ids with vLLM's `/v1/chat/completions/render` (and
 `/v1/completions/render`); vLLM's `/reset_prefix_cache` is what RL loops and operators call
 after a weight change. Pure Python: the engine answers through the AsyncEngine interface.
@@ -25,6 +26,7 @@ from serving.openai.tools import parse_tool_choice
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_load", get_load)
+    app.router.add_get("/load", load)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)  # SGLang's older name
     app.router.add_get("/get_model_info", model_info)
@@ -50,6 +52,13 @@ async def get_load(request: web.Request) -> web.Response:
          "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
          "num_tokens": round(s.kv_cache_usage * capacity)}
         for rank, s in enumerate(_replicas(state))])
+
+
+async def load(request: web.Request) -> web.Response:
+    """vLLM's shape (vllm-router's disaggregated mode reads `server_load`): the requests
+    this server holds, running or waiting."""
+    total = sum(s.num_running + s.num_waiting for s in _replicas(request.app[STATE]))
+    return web.json_response({"server_load": total})
 
 
 async def server_info(request: web.Request) -> web.Response:
