@@ -14,6 +14,8 @@ import traceback
 
 from model.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from serving.core.config import EngineConfig, default_cache_root
+from serving.core.kv_events_config import KVEventsConfig
+from serving.kv_transfer.config import KVTransferConfig
 from serving.lora.request import LoRAModule
 from serving.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -111,6 +113,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help='with --task embed, vLLM\'s keys: \'{"pooling_type": "MEAN", '
                         '"normalize": true}\' (LAST, MEAN or CLS; default: the model '
                         "folder's sentence-transformers files, else LAST with normalize)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV cache events for KV-aware routers, vLLM\'s keys: '
+                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv@HOST@MODEL"}\' '
+                        '(and "event_encoding": "array" for consumers of vLLM <= 0.23; '
+                        'default: off)')
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation, vLLM\'s keys: \'{"kv_connector": '
+                        '"JaxTransferConnector", "kv_role": "kv_producer", "kv_port": 14579}\' '
+                        "(kv_role kv_producer, kv_consumer or kv_both; kv_connector_extra_config "
+                        "offer_timeout_s, pull_timeout_s, side_channel_port, advertise_host; "
+                        "default: off)")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (PEFT folders) over the model")
     p.add_argument("--max-loras", type=int, default=1,
@@ -188,12 +202,16 @@ def _engine_config(args) -> EngineConfig:
                   coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id,
                   task=args.task, runner=args.runner, pooler_config=args.pooler_config,
+                  kv_events_config=args.kv_events_config,
+                  kv_transfer_config=args.kv_transfer_config,
                   enable_lora=args.enable_lora, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                   token_buckets=args.token_buckets,
                   request_buckets=args.request_buckets, page_buckets=args.page_buckets)
     if args.compilation_cache_dir is not None:  # "" turns the cache off
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
+    KVEventsConfig.parse(args.kv_events_config)  # a bad config fails before the model loads
+    KVTransferConfig.parse(args.kv_transfer_config)
     return EngineConfig(**kwargs)
 
 
@@ -293,6 +311,7 @@ def main(argv=None) -> int:
         return engine.cluster.serve(engine.runner)
     if args.command == "warmup":
         engine.warmup()
+        engine.close()
         if engine.cluster is not None:
             engine.cluster.stop()  # the followers exit 0 too
         print(f"xlaserve: {warmup_summary(engine)}; {time.perf_counter() - started:.1f} s in "
@@ -337,6 +356,7 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
         async_engine.shutdown()
+        engine.close()  # after the engine thread: no step publishes while it closes
         if engine.cluster is not None:
             engine.cluster.stop()
 

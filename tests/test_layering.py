@@ -1,8 +1,8 @@
 """The layers import downwards only (docs/architecture.md, "Layers and rooms").
 
 Packages: pallas_kernels < quant < model < serving. Inside serving, the rooms:
-core (host-side scheduling) < lora (adapters, host side) < engine (device execution) <
-openai (HTTP), with cli.py on top. `core`, `lora` and `openai` import no JAX, so their tests and the HTTP layer start in milliseconds.
+core (host-side scheduling) < lora (adapters, host side) < kv_transfer (prefill/decode
+disaggregation) < engine (device execution) < openai (HTTP), with cli.py on top. `core`, `lora` and `openai` import no JAX, so their tests and the HTTP layer start in milliseconds.
 
 Two checks: every import statement anywhere in a module (functions included) against the
 direction, read from the source; and each module of core/ and openai/ imported alone in a
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["pallas_kernels", "quant", "model", "serving"]  # each may import those before it
-ROOMS = ["core", "lora", "engine", "openai"]  # likewise, inside serving
+ROOMS = ["core", "lora", "kv_transfer", "engine", "openai"]  # likewise, inside serving
 NO_JAX_ROOMS = ["core", "lora", "openai"]
 
 

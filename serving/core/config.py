@@ -69,6 +69,12 @@ class EngineConfig:
     # tensor_parallel_size after the first
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # KV cache events for KV-aware routers, vLLM's keys (JSON text or a dict;
+    # core/kv_events_config.py); None: off
+    kv_events_config: str | dict | None = None
+    # prefill/decode disaggregation, vLLM's keys (JSON text or a dict;
+    # serving/kv_transfer/config.py); None: off
+    kv_transfer_config: str | dict | None = None
     # several processes, one model (jax.distributed's names; serving/engine/multiprocess.py):
     # process 0's HOST:PORT, how many processes, and this one's id (0 serves HTTP)
     coordinator_address: str | None = None

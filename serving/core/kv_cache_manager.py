@@ -15,6 +15,7 @@ and stay findable until evicted. Every walk over a page table skips those entrie
 """
 from __future__ import annotations
 
+from serving.core.kv_events import KVEventRecorder
 from serving.core.kv_window import cdiv, num_skipped_pages, window_hit
 from serving.core.page_allocator import SINK_PAGE, PageAllocator
 from serving.core.page_hash import hash_pages
@@ -42,6 +43,13 @@ class KVCacheManager:
         # Counted in tokens as vLLM does: prompt tokens looked up, tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.events: KVEventRecorder | None = None  # KV cache events (record_events)
+
+    def record_events(self, events: list, group_idx: int = 0) -> None:
+        """From now on, appends this cache's KV cache events (core/kv_events.py) to
+        `events` as they happen; the caller drains it."""
+        self.events = KVEventRecorder(events, self.page_size, group_idx, self.sliding_window)
+        self.allocator.events = self.events
 
     # -- what the scheduler asks ------------------------------------------------------------
 
@@ -151,10 +159,15 @@ class KVCacheManager:
         if num_full <= done:
             return
         pages, hashes = self._pages[rid], self._request_hashes(req, num_full)
+        fresh = []  # the pages cached by this call (not under the hash elsewhere already)
         for i in range(done, num_full):
             if pages[i] != SINK_PAGE:  # given back already: was cached before that
-                self.allocator.cache_page(pages[i], hashes[i])
+                new = self.allocator.page_hash(pages[i]) is None
+                if self.allocator.cache_page(pages[i], hashes[i]) and new:
+                    fresh.append(i)
         self._num_cached[rid] = num_full
+        if self.events is not None and fresh:
+            self.events.stored(req, fresh, hashes)
 
     def trim(self, req: Request) -> None:
         """Gives back the tail pages beyond num_computed_tokens: they held only rejected
@@ -177,7 +190,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached page; False while a request holds pages (see
         PageAllocator.reset_cache)."""
-        return self.allocator.reset_cache()
+        if not self.allocator.reset_cache():
+            return False
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -41,6 +41,12 @@ class HybridKVCacheManager:
         self.allocator = self.full.allocator
         self.sliding_window = 0  # the full layers keep every page
 
+    def record_events(self, events: list) -> None:
+        """KV cache events of both pools into one list (core/kv_events.py): the full
+        layers' pages as group 0, the window layers' as group 1."""
+        self.full.record_events(events, group_idx=0)
+        self.window.record_events(events, group_idx=1)
+
     # -- what the scheduler asks ------------------------------------------------------------
 
     def page_ids(self, request_id: str) -> list[int]:

@@ -37,6 +37,8 @@ class RequestOutput:
     index: int = 0  # which of the request's n samples this update belongs to
     # An embedding request's vector (PoolingParams), on its one, finished update
     embedding: list[float] | None = None
+    # A prefill for another instance: where its K/V waits (serving/kv_transfer/), finished
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -50,6 +52,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    kv_transfer_params: dict | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
@@ -62,3 +65,5 @@ class CompletionOutput:
             self.logprobs += out.new_logprobs
         self.finished, self.finish_reason = out.finished, out.finish_reason
         self.stop_reason, self.error = out.stop_reason, out.error
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params

@@ -33,6 +33,8 @@ class PageAllocator:
         self._page_hash: list[bytes | None] = [None] * num_pages
         self._cached: dict[bytes, int] = {}  # page hash -> page holding that K/V
         self.num_evictions = 0
+        # core/kv_events.py KVEventRecorder, told each hash forgotten; None: events off
+        self.events = None
 
     @property
     def num_usable_pages(self) -> int:
@@ -150,6 +152,8 @@ class PageAllocator:
             del self._cached[h]
             self._page_hash[page] = None
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(h)
 
     def _check_held(self, page: int, times: int) -> None:
         """Freeing the sink or a free page is a bookkeeping bug upstream: fail loudly."""

@@ -81,6 +81,11 @@ class Request:
     pooling_params: object | None = None
     # A LoRA request's adapter (serving/lora/peft.py Adapter: weights and digest); None: base
     lora: object | None = None
+    # Prefill/decode disaggregation (serving/kv_transfer/): leading prompt tokens whose K/V
+    # another instance computed, to load before this request runs (0 once loaded or given
+    # up); and what a prefill's response tells the decode instance
+    remote_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -35,6 +35,8 @@ class SamplingParams:
     cache_salt: str | None = None
     min_tokens: int = 0  # no EOS or stop token before this many output tokens
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding
+    # vLLM's P/D handshake, passed through to the connector (serving/kv_transfer/params.py)
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

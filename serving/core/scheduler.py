@@ -109,6 +109,13 @@ class Scheduler:
         self.num_prompt_tokens_total = 0  # prompt tokens computed (not those found cached)
         self.num_generation_tokens_total = 0
         self.spec_stats = SpecDecodeStats()
+        # Prefill/decode disaggregation (serving/kv_transfer/): requests holding pages that
+        # another instance's K/V is being pulled into, out of the queue meanwhile; the loads
+        # schedule() started, for the connector; its hook, before a finished request's pages
+        # are freed.
+        self.loading: dict[str, Request] = {}
+        self._loads: list[Request] = []
+        self.on_finish = None
         self._spare_rows = 0  # sampled rows this step may still give proposed tokens
         # A request longer than the whole cache could never be scheduled again; stop it there.
         # On a window model a request holds a bounded number of pages however long it grows.
@@ -159,7 +166,7 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif self.loading.pop(request_id, None) is None:
             self.waiting.remove(req)
         self._finish(req, status, reason)
 
@@ -182,6 +189,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, reason: int | str | None) -> None:
         req.status, req.finish_reason, req.stop_reason = status, status.finish_reason, reason
+        if self.on_finish is not None:
+            self.on_finish(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
 
@@ -226,11 +235,21 @@ class Scheduler:
             req = self.waiting[0]
             if not self._adapter_fits(req):
                 break  # FCFS: it waits for a running adapter's requests to finish
-            hit = self.kv_cache_manager.get_computed_pages(req)
-            req.num_computed_tokens = len(hit) * self.config.page_size
+            if req.remote_tokens:  # its first pages come from another instance
+                if not self.kv_cache_manager.allocate_slots(req, req.remote_tokens):
+                    break
+                self.loading[self.waiting.popleft().request_id] = req
+                self._loads.append(req)
+                continue
+            # A request holding pages here has its first tokens' K/V loaded (finish_load).
+            loaded = bool(self.kv_cache_manager.page_ids(req.request_id))
+            hit = [] if loaded else self.kv_cache_manager.get_computed_pages(req)
+            if not loaded:
+                req.num_computed_tokens = len(hit) * self.config.page_size
             n = self._num_new_tokens(req, budget)
             if not self.kv_cache_manager.allocate_slots(req, n, hit):
-                req.num_computed_tokens = 0
+                if not loaded:
+                    req.num_computed_tokens = 0
                 break  # strict FCFS: later requests do not overtake the head of the queue
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -239,6 +258,25 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def take_loads(self) -> list[Request]:
+        """The requests whose pages schedule() allocated for another instance's K/V."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def finish_load(self, req: Request, loaded: bool) -> None:
+        """A load ended: with its K/V in the pages (those tokens count as computed and are
+        cached), or not (the pages go back and the prompt is computed here). Either way the
+        request goes to the head of the queue. Ignored for a request aborted meanwhile."""
+        if self.loading.pop(req.request_id, None) is None:
+            return
+        if loaded:
+            req.num_computed_tokens = req.remote_tokens
+            self.kv_cache_manager.cache_computed(req)
+        else:
+            self.kv_cache_manager.free(req)
+        req.remote_tokens = 0
+        self.waiting.appendleft(req)
 
     def _adapter_fits(self, req: Request) -> bool:
         """Running requests use at most max_loras distinct adapters, so every step's
@@ -437,7 +475,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
 
     @property
     def has_unfinished(self) -> bool:

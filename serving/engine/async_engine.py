@@ -49,6 +49,8 @@ class EngineStats:
     # LoRA on: adapter name -> requests running / waiting (the lora_requests_info metric)
     running_loras: dict[str, int] | None = None
     waiting_loras: dict[str, int] | None = None
+    # prompt tokens whose K/V another instance computed (serving/kv_transfer/)
+    num_prompt_tokens_transferred: int = 0
 
 
 class RequestStream:
@@ -130,6 +132,8 @@ class AsyncEngine:
         self._num_unadded = 0  # submitted requests the engine thread has not added yet
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="xlaserve-engine", daemon=True)
+        if getattr(engine, "kv_transfer", None):  # a pull landed, a claim ended: look now
+            engine.kv_transfer.wake = self._notify
 
     def start(self, warmup: bool = True) -> None:
         """Warms up (compiling every bucket), then starts the step loop."""
@@ -200,7 +204,10 @@ class AsyncEngine:
                            kvm.prefix_cache_hits, s.num_prompt_tokens_total,
                            s.num_generation_tokens_total,
                            s.spec_stats.snapshot() if self.engine.drafter else None,
-                           *(_adapter_counts(s) if self.engine.lora else (None, None)))
+                           *(_adapter_counts(s) if self.engine.lora else (None, None)),
+                           num_prompt_tokens_transferred=getattr(
+                               getattr(self.engine, "kv_transfer", None),
+                               "num_transferred_tokens", 0))
 
     def replica_stats(self) -> list[EngineStats]:
         """One EngineStats per data-parallel replica: this engine is one."""
@@ -244,6 +251,10 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         if abort and self.dead is None:
             self.abort(request_id)
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def _submit(self, fn, *args) -> None:
         with self._wake:
@@ -321,8 +332,9 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopped and not self._commands and not self.engine.has_unfinished:
-                    self._wake.wait()
+                while (not self._stopped and not self._commands
+                       and (idle_s := self.engine.idle_s()) != 0):
+                    self._wake.wait(idle_s)
                 if self._stopped:
                     return
                 commands, self._commands = self._commands, deque()
@@ -331,7 +343,7 @@ class AsyncEngine:
                     fn(*args)
                 except Exception as e:  # noqa: BLE001 - an abort of a gone request, ...
                     log.error("engine command %s failed: %s", fn.__name__, e)
-            if self.engine.has_unfinished:
+            if self.engine.idle_s() == 0:
                 self._deliver_all([(out.request_id, out) for out in self.engine.step()])
                 if self._stats_log:
                     self._stats_log.maybe_log(self.stats())

@@ -26,12 +26,14 @@ from model.kv_cache import bytes_per_page
 from quant.recipe import describe as describe_quantization
 from serving.engine import demo_defaults, engine_setup, memory_plan, mesh, multiprocess, sizing
 from serving.core.config import EngineConfig
+from serving.core.kv_events_config import KVEventsConfig
 from serving.engine.faults import Faults
 from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weights, model_key,
                                         request_vocab_size)
 from serving.core import grammar as structured
 from serving.engine.input_batch import InputBatch
 from serving.engine.input_prep import all_step_shapes, padding_step
+from serving.engine.kv_event_publisher import start_kv_events
 from serving.engine.parallel_sampling import ParentRequest
 from serving.core.outputs import RequestOutput
 from serving.core.request import Request
@@ -49,6 +51,7 @@ from serving.core.pooling_params import PoolingParams, resolve_task
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.spec_outputs import emitted_tokens
 from serving.engine.lora_slots import start_lora
+from serving.kv_transfer.config import KVTransferConfig
 from serving.lora.request import LoRAError, LoRARequest
 
 log = logging.getLogger("xlaserve")
@@ -75,6 +78,7 @@ class LLMEngine:
         self.attention_backend = resolve_backend(ec.attention_backend)
         engine_setup.check_config(ec)
         self.speculative_config = SpeculativeConfig.parse(ec.speculative_config)
+        kv_events_config = KVEventsConfig.parse(ec.kv_events_config)
         self.task = resolve_task(ec.task, ec.runner)
         if self.task == "embed" and self.speculative_config:
             raise ValueError("--speculative-config is for generation, not --task embed")
@@ -155,6 +159,13 @@ class LLMEngine:
         self.faults = Faults.from_env()  # test hook, off unless configured
         self._grammar_compiler: structured.GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        # KV cache events for KV-aware routers (--kv-events-config), from the process that
+        # schedules; None: off. Started last: nothing to close if a step above fails.
+        self.kv_events = (start_kv_events(kv_events_config, ec.data_parallel_rank,
+                                          self.scheduler.kv_cache_manager)
+                          if self.cluster is None or self.cluster.is_leader else None)
+        # Prefill/decode disaggregation (--kv-transfer-config; serving/kv_transfer/)
+        self.kv_transfer = _kv_transfer(KVTransferConfig.parse(ec.kv_transfer_config), self)
 
     @property
     def faults(self) -> Faults | None:
@@ -241,6 +252,10 @@ class LLMEngine:
         parent = ParentRequest.expand(request_id, prompt_token_ids, params,
                                       partial(self._make_request, lora=adapter))
         first, *rest = parent.children
+        if self.kv_transfer and params.kv_transfer_params:
+            if rest:
+                raise ValueError("kv_transfer_params go with n = 1")
+            self.kv_transfer.add_request(first)
         # held ones are not in the scheduler yet
         if any(c.request_id in self.outputs.states for c in rest):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -288,18 +303,40 @@ class LLMEngine:
             self.outputs.forget(child.request_id)
         self.scheduler.abort(request_id)
         self.outputs.forget(request_id)
+        if self.kv_transfer:
+            self.kv_transfer.forget(request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached page (the /reset_prefix_cache and /flush_cache endpoints);
         False, changing nothing, while any request is unfinished."""
         if self.has_unfinished:
             return False
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if self.kv_events:
+            self.kv_events.publish_pending()  # subscribers learn at once, not at the next step
+        return reset
+
+    def close(self) -> None:
+        """Stops what runs beside the engine: the KV event publisher's thread and sockets."""
+        if self.kv_events:
+            self.kv_events.close()
+        if self.kv_transfer:
+            self.kv_transfer.close()
 
     @property
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished or bool(self._pending.requests)
+        return (self.scheduler.has_unfinished or bool(self.scheduler.loading)
+                or bool(self._pending.requests)
                 or self._flight is not None or any(p.held for p in self._parents.values()))
+
+    def idle_s(self) -> float | None:
+        """How long the engine thread may sleep before step() has work: 0 now; a KV
+        transfer's deadline; None: until a command (or a transfer thread) wakes it. Requests
+        waiting for their KV from another instance are no work until it lands."""
+        if (self.scheduler.has_unfinished or self._pending.requests or self._flight is not None
+                or any(p.held for p in self._parents.values())):
+            return 0.0
+        return self.kv_transfer.wait_s() if self.kv_transfer else None
 
     def _release_held(self) -> None:
         """Gives the scheduler the samples whose first sibling has computed the prompt."""
@@ -316,9 +353,20 @@ class LLMEngine:
         """One step. An exception from here means the engine's state is lost (the device
         failed, or the scheduler broke): the caller fails every request. A failure that
         belongs to one request (its sampling inputs, its detokenization) ends that request
-        with finish_reason "error" and the step goes on."""
+        with finish_reason "error" and the step goes on. The KV cache events the step
+        recorded go out as one batch after it."""
+        outputs = self._step()
+        if self.kv_events:
+            self.kv_events.publish_pending()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self._release_held()
+        if self.kv_transfer:
+            self.kv_transfer.poll()
         out = self.scheduler.schedule()
+        if self.kv_transfer:
+            self.kv_transfer.start_loads()
         flight = self._flight  # the last step, if it ran ahead: settled below
         if not out.scheduled:
             return self._settle() + self._emit_pending()
@@ -403,3 +451,10 @@ class LLMEngine:
     def _emit_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, _Pending()
         return self.outputs.emit(p.requests, p.rows, p.result)
+
+
+def _kv_transfer(config: KVTransferConfig | None, engine: LLMEngine):
+    if config is None:
+        return None
+    from serving.kv_transfer.connector import JaxTransferConnector  # jax.experimental.transfer
+    return JaxTransferConnector(config, engine)

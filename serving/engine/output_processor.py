@@ -134,4 +134,5 @@ class OutputProcessor:
                 embedding = st.embedding.embedding()
         return RequestOutput(st.parent_id, req.prompt_token_ids, new_ids, new_text,
                              new_logprobs, finished, req.finish_reason, req.stop_reason, None,
-                             queue_time, prompt_logprobs, st.index, embedding)
+                             queue_time, prompt_logprobs, st.index, embedding,
+                             req.kv_transfer_params if finished else None)

@@ -215,6 +215,8 @@ async def metrics(request: web.Request) -> web.Response:
                                        engine.config.enable_prefix_caching, engine=rank)
     stats = engine.stats()
     state.metrics.set_spec_decode_stats(stats.spec)
+    state.metrics.set_prompt_token_sources(getattr(stats, "num_prompt_tokens_total", 0),
+                                           getattr(stats, "num_prompt_tokens_transferred", 0))
     lora = lora_routes.manager(state)
     if lora is not None:
         state.metrics.set_lora_stats(stats.running_loras, stats.waiting_loras,

@@ -68,6 +68,10 @@ class Metrics:
                                   "cache_dtype", "enable_prefix_caching"],
                                  registry=self.registry)
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
+        # computed here, or K/V pulled from a prefill instance (serving/kv_transfer/)
+        self._prompt_sources = Counter(PREFIX + "prompt_tokens_by_source",
+                                       "Prompt tokens by where their K/V came from.",
+                                       ["model_name", "source"], registry=self.registry)
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.spec_num_drafts = counter(
             "spec_decode_num_drafts", "Request-steps that verified proposed tokens.")
@@ -136,6 +140,12 @@ class Metrics:
         self._advance(self._prefix_queries.labels(*labels), f"queries_{engine}",
                       prefix_cache_queries)
         self._advance(self._prefix_hits.labels(*labels), f"hits_{engine}", prefix_cache_hits)
+
+    def set_prompt_token_sources(self, computed: int, transferred: int) -> None:
+        """Running totals: prompt tokens computed here, and pulled from another instance."""
+        for source, total in (("local_compute", computed), ("external_kv_transfer", transferred)):
+            self._advance(self._prompt_sources.labels(self.model_name, source),
+                          f"prompt_{source}", total)
 
     def set_cache_config(self, page_size: int, num_pages: int, cache_dtype: str,
                          enable_prefix_caching: bool, engine: int = 0) -> None:

@@ -106,6 +106,14 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return opt_bool(options, "include_usage") if "include_usage" in options else False
 
 
+def _kv_transfer_params(body: dict) -> dict | None:
+    """vLLM's P/D handshake (serving/kv_transfer/params.py): an object, passed through."""
+    value = body.get("kv_transfer_params")
+    if value is not None and not isinstance(value, dict):
+        raise bad("kv_transfer_params", "an object", value)
+    return value
+
+
 def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
                      logprobs_param: str, prompt_logprobs: int | None = None) -> SamplingParams:
     """The fields both endpoints share. Types are checked here, ranges by SamplingParams."""
@@ -127,7 +135,7 @@ def _sampling_params(body: dict, *, max_tokens, max_tokens_param: str, logprobs,
         repetition_penalty=number_field(body, "repetition_penalty", 1.0),
         ignore_eos=opt_bool(body, "ignore_eos"),
         include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output"),
-        cache_salt=opt_str(body, "cache_salt"),
+        cache_salt=opt_str(body, "cache_salt"), kv_transfer_params=_kv_transfer_params(body),
         **structured_protocol.sampling_fields(body))
     try:
         params = SamplingParams(**kwargs)

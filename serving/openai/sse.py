@@ -386,8 +386,13 @@ async def collect(stream: OutputStream, fmt: _Format, choices: list[Choice]) -> 
         results[choice.index].add(out)
     _check_all_finished(choices, {i for i, r in results.items() if r.finished})
     body = [fmt.choice(c, results[c.index]) for c in choices]
-    return fmt.response(body, count_usage(choices, {i: len(r.token_ids)
-                                                    for i, r in results.items()}))
+    response = fmt.response(body, count_usage(choices, {i: len(r.token_ids)
+                                                        for i, r in results.items()}))
+    # a prefill for another instance: vLLM puts the handshake at the top level
+    kv = [r.kv_transfer_params for r in results.values() if r.kv_transfer_params]
+    if kv:
+        response["kv_transfer_params"] = kv[0]
+    return response
 
 
 async def write_stream(request: web.Request, stream: OutputStream, fmt: _Format,

@@ -33,7 +33,7 @@ _BOTH = {"use_beam_search": [False], "length_penalty": [1, 1.0], "watermarking":
          "logprob_token_ids": [], "allowed_token_ids": [],
          "bad_words": [[]], "truncate_prompt_tokens": [], "truncation_side": [],
          "priority": [0], "request_id": [], "return_tokens_as_token_ids": [False],
-         "return_token_ids": [False], "kv_transfer_params": [], "ec_transfer_params": [],
+         "return_token_ids": [False], "ec_transfer_params": [],
          "vllm_xargs": [], "repetition_detection": [], "stream_interval": [],
          "thinking_token_budget": [], "logits_processors": [], "guided_whitespace_pattern": [],
          "prompt_embeds": []}
