@@ -117,8 +117,10 @@ def load_model(path: str | Path, dtype: str | None = None, progress: bool = True
                             abstract_params(stored))
     if recipe:
         abstract = abstract_quantized(abstract, recipe)
-    # With a sharding, orbax restores straight into device arrays rather than numpy.
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    # With a sharding, orbax restores straight into device arrays rather than numpy: on
+    # the default device (a data-parallel replica's own, serving/engine/data_parallel.py).
+    device = jax.sharding.SingleDeviceSharding(jax.config.jax_default_device
+                                               or jax.local_devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                             abstract)
     import orbax.checkpoint as ocp  # imported where used (0.4 s a warm start skips)

@@ -92,6 +92,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over the first N devices (tensor parallel; N must "
                         "divide the query heads, start-up lists the sizes that work)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="N replicas of the model (each over --tensor-parallel-size devices "
+                        "of its own, with its own scheduler and KV cache) behind this one "
+                        "server; --max-num-seqs is per replica; X-data-parallel-rank pins a "
+                        "request to one")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="a mixture-of-experts model: split the experts whole over the "
                         "tensor-parallel devices (N must divide the experts) instead of "
@@ -198,6 +203,7 @@ def _engine_config(args) -> EngineConfig:
                   async_scheduling=args.async_scheduling,
                   speculative_config=args.speculative_config,
                   tensor_parallel_size=args.tensor_parallel_size,
+                  data_parallel_size=args.data_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel,
                   coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id,
@@ -297,32 +303,49 @@ def main(argv=None) -> int:
             if m.name == _served_name(args):
                 raise ValueError(f"--lora-modules: the adapter name {m.name!r} is the served "
                                  "model's name")
-        engine = LLMEngine(_engine_config(args))
+        replicas = None
+        if args.data_parallel_size != 1:
+            from serving.engine.data_parallel import build_replicas
+            replicas = build_replicas(_engine_config(args), None if getattr(
+                args, "disable_log_stats", True) else 10.0)
+            engine = replicas.engine
+        else:
+            engine = LLMEngine(_engine_config(args))
         for m in modules:
             engine.lora.register(m.name, m.path, m.base_model_name)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"xlaserve: {engine.describe()}", flush=True)
+    print(f"xlaserve: {engine.describe()}"
+          + (f"; {args.data_parallel_size} data-parallel replicas" if replicas else ""),
+          flush=True)
     if engine.cluster is not None and not engine.cluster.is_leader:
         engine.warmup()
         print(f"xlaserve: process {args.process_id} ready, running process 0's steps",
               flush=True)
         return engine.cluster.serve(engine.runner)
     if args.command == "warmup":
-        engine.warmup()
-        engine.close()
+        if replicas is not None:
+            replicas.start()
+            replicas.shutdown()
+            replicas.close()
+        else:
+            engine.warmup()
+            engine.close()
         if engine.cluster is not None:
             engine.cluster.stop()  # the followers exit 0 too
         print(f"xlaserve: {warmup_summary(engine)}; {time.perf_counter() - started:.1f} s in "
               "all", flush=True)
         return 0
-    return asyncio.run(_serve(engine, args, chat, started))
+    return asyncio.run(_serve(engine, args, chat, started, replicas))
 
 
-async def _serve(engine, args, chat: tuple[str | None, str | None], started: float) -> int:
+async def _serve(engine, args, chat: tuple[str | None, str | None], started: float,
+                 replicas=None) -> int:
+    """replicas: a DataParallelEngine (-dp > 1), served instead of one AsyncEngine over
+    engine (then its first replica's)."""
     from serving.engine.async_engine import AsyncEngine
-    async_engine = AsyncEngine(engine, None if args.disable_log_stats else 10.0)
+    async_engine = replicas or AsyncEngine(engine, None if args.disable_log_stats else 10.0)
     if engine.cluster is not None:  # a follower gone: fail what is in flight, then exit 1
         engine.cluster.on_lost.append(async_engine.fail_everything)
     # /health answers 503 while the programs compile; warm-up runs off the event loop, and
@@ -356,7 +379,8 @@ async def _serve(engine, args, chat: tuple[str | None, str | None], started: flo
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
         async_engine.shutdown()
-        engine.close()  # after the engine thread: no step publishes while it closes
+        # after the engine threads: no step publishes while it closes
+        (replicas or engine).close()
         if engine.cluster is not None:
             engine.cluster.stop()
 

@@ -22,6 +22,15 @@ from serving.core.page_hash import hash_pages
 from serving.core.request import Request
 
 
+def page_keys(model_key: str, lora_key: str | None = None,
+              cache_salt: str | None = None) -> tuple[str, ...]:
+    """The extra keys of a prompt's first page hash (see KVCacheManager.extra_keys)."""
+    keys = (model_key,)
+    if lora_key is not None:
+        keys += ("lora:" + lora_key,)
+    return keys if cache_salt is None else keys + ("salt:" + cache_salt,)
+
+
 def _held(pages: list[int]) -> list[int]:
     """The pages a table references (its SINK_PAGE entries hold nothing)."""
     return [p for p in pages if p != SINK_PAGE]
@@ -226,8 +235,4 @@ class KVCacheManager:
         """What else decides a page's K/V: the weights, the LoRA adapter (by a digest of its
         files, so an adapter reloaded under the same name never meets its old pages), and
         the request's cache_salt."""
-        keys = (self.model_key,)
-        if req.lora_key is not None:
-            keys += ("lora:" + req.lora_key,)
-        salt = req.sampling_params.cache_salt
-        return keys if salt is None else keys + ("salt:" + salt,)
+        return page_keys(self.model_key, req.lora_key, req.sampling_params.cache_salt)

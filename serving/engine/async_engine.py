@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import traceback
@@ -110,8 +111,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: "LLMEngine", log_stats_interval_s: float | None = 10.0):
+    def __init__(self, engine: "LLMEngine", log_stats_interval_s: float | None = 10.0,
+                 scope=contextlib.nullcontext):
         self.engine = engine
+        # entered around warm-up and the step loop: a data-parallel replica's default
+        # device (serving/engine/data_parallel.py)
+        self._scope = scope
         self._stats_log = StatsLogger(log_stats_interval_s) if log_stats_interval_s else None
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -140,7 +145,8 @@ class AsyncEngine:
         if warmup:
             # Structured outputs' compiler is built now, not on the first constrained
             # request, beside the programs loading (it is Python and Rust; they are XLA's).
-            with ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar") as pool:
+            with ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar") as pool, \
+                    self._scope():
                 grammar = pool.submit(lambda: self.engine.grammar_compiler)
                 self.engine.warmup()
             try:
@@ -289,7 +295,8 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            self._run()
+            with self._scope():
+                self._run()
         except BaseException as e:  # noqa: BLE001 - the engine is dead; say so everywhere
             log.error("engine step failed, the engine is dead: %s: %s\n%s", type(e).__name__,
                       e, traceback.format_exc())

@@ -125,7 +125,10 @@ class ExecutableCache:
                 return self._unusable(path, "foreign", f"needs the CPU kernel {kernel}")
         try:
             serialized, in_tree, out_tree = pickle.loads(payload)
-            program = deserialize_and_load(serialized, in_tree, out_tree)
+            # on the one device its programs run on (not every device of the process, which
+            # a process with several devices would otherwise make it expect)
+            program = deserialize_and_load(serialized, in_tree, out_tree,
+                                           execution_devices=jax.devices()[:1])
         except Exception as e:  # noqa: BLE001 - any failure to load means: compile it
             return self._unusable(path, "corrupt", f"{type(e).__name__}: {e}")
         if not _accepts(program, args):

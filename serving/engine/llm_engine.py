@@ -105,11 +105,13 @@ class LLMEngine:
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
-        self.placement = mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype)
-        # Not for a mesh yet: its programs are compiled at every start.
+        self.placement = mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype,
+                                        ec.data_parallel_rank * ec.tensor_parallel_size)
+        # Not for a mesh yet, nor for a data-parallel replica on a device other than the
+        # first (a saved program is bound to its device): those compile at every start.
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
                                if ec.compilation_cache_dir and self.placement.size == 1
-                               else None)
+                               and ec.data_parallel_rank == 0 else None)
         self.draft = DraftModel.for_config(self.speculative_config, ec, on_gpu, self.tokenizer,
                                            self.vocab_size, self.attention_backend,
                                            self.executable_dir)

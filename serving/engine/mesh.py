@@ -27,18 +27,20 @@ log = logging.getLogger("xlaserve")
 
 
 class SingleDevice:
-    """The default device; every method is what the runner did before meshes existed."""
+    """One device: the default one (every method is what the runner did before meshes
+    existed), or a data-parallel replica's own (`device`)."""
     size = 1
     mesh = None
 
     @property
     def devices(self) -> list:
-        return jax.devices()[:1]
+        return [self.device] if self.device is not None else jax.devices()[:1]
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device=None):
         self.cfg = cfg
         self.model_cfg = cfg  # what each device's program computes
         self.axis = None
+        self.device = device
 
     def prepare(self, params, free_stacked: bool = False):
         return prepare_params(params, free_stacked=free_stacked)
@@ -54,7 +56,7 @@ class SingleDevice:
                                                     window_pages))
 
     def put(self, x):
-        return jax.device_put(x)
+        return jax.device_put(x, self.device)
 
     def send(self, x):
         """A step's host arrays, as the step program takes them: as they are, since the
@@ -170,14 +172,16 @@ def _sharded_step(step, mesh, quantized_kv, params, cache, buffers, history, bit
         params, cache, buffers, history, bitmask, last_tokens, lora_slots)
 
 
-def placement(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype=None):
-    """SingleDevice for 1, else a TensorParallel mesh over the first N devices."""
-    if tensor_parallel_size == 1:
-        return SingleDevice(cfg)
+def placement(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype=None,
+              first_device: int = 0):
+    """SingleDevice for 1, else a TensorParallel mesh over N devices: the first N, or from
+    first_device on (a data-parallel replica's group, serving/engine/data_parallel.py)."""
     devices = jax.devices()
-    sharding.check_size(cfg, tensor_parallel_size, len(devices))
-    mesh = Mesh(np.array(devices[:tensor_parallel_size]), (sharding.AXIS,))
-    return TensorParallel(cfg, mesh, kv_cache_dtype)
+    if tensor_parallel_size == 1:
+        return SingleDevice(cfg, devices[first_device] if first_device else None)
+    sharding.check_size(cfg, tensor_parallel_size, len(devices) - first_device)
+    group = devices[first_device:first_device + tensor_parallel_size]
+    return TensorParallel(cfg, Mesh(np.array(group), (sharding.AXIS,)), kv_cache_dtype)
 
 
 def per_device_bytes(tree) -> dict:

@@ -27,6 +27,7 @@ from serving.openai import embeddings
 from serving.openai import structured_protocol as sp
 from serving.openai.http_guard import (error_middleware, gate_middleware, quiet_unparsable_requests,
                                 read_json)
+from serving.openai.dp_rank_header import rank_middleware
 from serving.openai.access_log import access_log_middleware, record_tokens
 from serving.openai.metrics import Metrics
 from serving.openai.openapi import openapi_spec
@@ -50,7 +51,8 @@ def build_app(engine, *, served_model_name: str, api_key: str | None = None,
     within half a second (sse.cancel_on_disconnect)."""
     quiet_unparsable_requests()
     # The access log sits outside the error middleware: it logs the status the client got.
-    middlewares = [error_middleware, gate_middleware, embeddings.task_middleware]
+    middlewares = [error_middleware, gate_middleware, embeddings.task_middleware,
+                   rank_middleware]
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[access_log_middleware, *middlewares] if access_log
                           else middlewares)
