@@ -8,8 +8,8 @@ the choice is the deployment's. The default is vLLM's current one.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+from serving.core.json_option import json_object
 
 PUBLISHERS = ("zmq", "null")
 ENCODINGS = ("map", "array")  # vLLM >= 0.24, vLLM <= 0.23
@@ -34,20 +34,7 @@ class KVEventsConfig:
             return value
         if value is None or value == "":
             return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_events_config must be a JSON object, got "
-                             f"{type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**json_object(value, "kv_events_config", {f.name for f in fields(cls)}))
 
     def __post_init__(self):
         if not isinstance(self.enable_kv_cache_events, bool):

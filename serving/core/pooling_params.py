@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.core.request_checks import RequestRefused
+from serving.core.json_option import json_object
 
 TASKS = ("generate", "embed")
 RUNNERS = {"generate": "generate", "pooling": "embed"}  # vLLM's --runner -> our task
@@ -47,18 +48,8 @@ class PoolerConfig:
         base = default_pooler_config(model_dir) if model_dir is not None else cls()
         if value is None or value == "":
             return base
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--pooler-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--pooler-config must be a JSON object")
-        known = {"pooling_type", "seq_pooling_type", "normalize", "use_activation"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"--pooler-config: unsupported key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        value = json_object(value, "--pooler-config", {"pooling_type", "seq_pooling_type",
+                                                       "normalize", "use_activation"})
         # vLLM's newer names: seq_pooling_type for pooling_type, use_activation for normalize
         kind = _one_of(value, "pooling_type", "seq_pooling_type", base.pooling_type)
         normalize = _one_of(value, "normalize", "use_activation", base.normalize)

@@ -2,11 +2,11 @@
 Plain data, no JAX. A bad config is a ValueError at start-up that names the key."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from serving.core.model_source import is_model_id
+from serving.core.json_option import json_object
 
 METHODS = ("ngram", "draft_model")
 # Speculation is switched off for a step with more running requests than this: verifying k
@@ -36,18 +36,7 @@ class SpeculativeConfig:
         """A JSON object (text or a dict), or None / "" for no speculation."""
         if value is None or value == "" or isinstance(value, SpeculativeConfig):
             return value or None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object, got "
-                             f"{type(value).__name__}")
-        unknown = sorted(set(value) - _KEYS)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(_KEYS))}")
+        value = json_object(value, "speculative_config", _KEYS)
         for key in ("method", "num_speculative_tokens"):
             if key not in value:
                 raise ValueError(f"speculative_config needs {key!r}")

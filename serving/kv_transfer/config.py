@@ -8,9 +8,9 @@ libraries this server does not have, so naming one is refused rather than ignore
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field, fields
+from serving.core.json_option import json_object
 
 CONNECTOR = "JaxTransferConnector"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -40,19 +40,9 @@ class KVTransferConfig:
         """JSON text or a dict -> the config; None (or "") -> None: P/D off."""
         if value is None or value == "":
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known - set(_IGNORED))
-        if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        config = cls(**{k: v for k, v in value.items() if k in known and v is not None})
+        value = json_object(value, "--kv-transfer-config", {f.name for f in fields(cls)},
+                            ignored=_IGNORED)
+        config = cls(**{k: v for k, v in value.items() if v is not None})
         config.check()
         return config
 
