@@ -262,6 +262,42 @@ def test_unusable_params_fall_back_to_a_local_prefill(pd):
         assert _text(out) == _text(alone) and _sources(d_port)[1] == pulled
 
 
+def test_vllm_router_drives_the_pair(pd, tmp_path):
+    """vllm-router's own disaggregated mode (NIXL's handshake) in front of the pair: the
+    answers of one server, streamed and not, with the prompt's pages pulled."""
+    import openai
+
+    p_port, d_port, _ = pd
+    port = free_port()
+    with open(tmp_path / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1",
+             "--port", str(port), "--vllm-pd-disaggregation",
+             "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(port, 60, alive=lambda: router.poll() is None)
+        body = {"model": MODEL, "prompt": PROMPT + "the", "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+        status, alone = post(p_port, "/v1/completions", body)
+        assert status == 200, alone
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        _, pulled = _sources(d_port)
+        fields = {k: v for k, v in body.items() if k != "ignore_eos"}
+        extra = {"extra_body": {"ignore_eos": True}}
+        out = client.completions.create(**fields, **extra)
+        assert out.choices[0].text == _text(alone)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            **fields, **extra, stream=True) if c.choices)
+        assert streamed == _text(alone)
+        assert _sources(d_port)[1] >= pulled + 2 * 16  # both pulled the prompt's pages
+    finally:
+        router.kill()
+        router.wait()
+
+
 def _used(port: int) -> float:
     return metric(metrics(port), "xlaserve:kv_cache_usage_perc")
 
