@@ -136,6 +136,11 @@ class ModelConfig:
     # Expert parallel (--enable-expert-parallel): the experts split whole over this many
     # devices, each holding num_experts // expert_shards of them (model/sharding.py).
     expert_shards: int = 1
+    # Data-parallel attention (serving/engine/dp_attention.py): the mesh axis whose devices
+    # each run their own tokens; the MoE block gathers every device's tokens over it, runs
+    # this device's experts on them and scatters the sums back. None: tokens are the same on
+    # every device (one device, or tensor parallel).
+    moe_token_axis: str | None = None
     # gpt-oss's expert gate: min(gate, limit) * sigmoid(alpha * that) * (clip(up, +-limit) + 1);
     # 0: SiLU(gate) * up.
     swiglu_limit: float = 0.0

@@ -155,6 +155,25 @@ class MoE(nn.Module):
     def __call__(self, x):
         """x [T, H] -> [T, H]."""
         cfg = self.cfg
+        if cfg.moe_token_axis is not None:
+            return self._gathered(x, cfg.moe_token_axis)
+        return reduce_shards(self._routed(x, self.axis, shared=True), self.axis)
+
+    def _gathered(self, x, axis: str):
+        """Data-parallel attention: every device's tokens through this device's experts,
+        each device's sums scattered back to it; the shared expert (whole on every device)
+        on its own tokens, added last as on one device."""
+        mine = jax.lax.psum_scatter(self._routed(jax.lax.all_gather(x, axis, tiled=True), axis,
+                                                 shared=False),
+                                    axis, scatter_dimension=0, tiled=True)
+        if not self.cfg.shared_expert_intermediate_size:
+            return mine
+        return sum_in_order([mine, self._shared(x)])
+
+    def _routed(self, x, axis: str | None, shared: bool):
+        """The weighted sum of x's routed experts that live on this device (and the shared
+        expert's output, when `shared`), summed in slot order."""
+        cfg = self.cfg
         T, k, family = x.shape[0], cfg.num_experts_per_tok, cfg.moe_family
         logits = Linear(cfg.num_experts, family.biases, cfg.dtype, name="router")(x)
         if family.topk_then_softmax:
@@ -163,7 +182,7 @@ class MoE(nn.Module):
             weights, experts = route(logits, k, cfg.norm_topk_prob)
         local = cfg.local_experts
         if local < cfg.num_experts:  # expert parallel: this shard's experts alone
-            experts = local_expert_ids(experts, local, jax.lax.axis_index(self.axis))
+            experts = local_expert_ids(experts, local, jax.lax.axis_index(axis))
         # group `local` (empty unless expert parallel) holds other shards' pairs: cut off
         order, inverse, sizes = dispatch(experts, local + 1)
         sizes = sizes[:local]
@@ -173,8 +192,12 @@ class MoE(nn.Module):
                           self.has_variable("params", "gate_up_proj"), cfg)
         terms = weighted_slots(out[inverse].reshape(T, k, -1), weights,
                                family.float32_weights)
-        if cfg.shared_expert_intermediate_size:
-            shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
-            gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)
-            terms.append(nn.sigmoid(gate) * shared)
-        return reduce_shards(sum_in_order(terms), self.axis)
+        if shared and cfg.shared_expert_intermediate_size:
+            terms.append(self._shared(x))
+        return sum_in_order(terms)
+
+    def _shared(self, x):
+        cfg = self.cfg
+        shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
+        gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)
+        return nn.sigmoid(gate) * shared

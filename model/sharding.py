@@ -222,6 +222,23 @@ def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
 
 
+def shard_experts(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
+    """Data-parallel attention (serving/engine/dp_attention.py): the stored tree with only a
+    mixture's routed experts cut, whole by expert, `n` ways; everything else (attention,
+    dense MLPs, router, shared expert, embedding, head) whole on every device."""
+    e = cfg.num_experts // n
+
+    def one(path, leaf):
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        module = names[-2] if len(names) >= 2 else ""
+        if ("moe" in names and "shared_expert" not in names and module not in REPLICATED
+                and module.endswith("_proj")):
+            return _cut(leaf, -2 if names[-1] == "bias" else -3, shard * e, (shard + 1) * e)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
+
+
 def _span(names: tuple, module: str, ranges: dict) -> tuple[int, int]:
     if "shared_expert" in names:
         return ranges["shared_expert"]
@@ -247,11 +264,11 @@ def shard_params(params: dict, cfg: ModelConfig, mesh, pack: bool | None = None)
     return stack_blocks(blocks, mesh)
 
 
-def stack_blocks(blocks: dict, mesh) -> dict:
+def stack_blocks(blocks: dict, mesh, axis: str = AXIS) -> dict:
     """{device: run tree} (this process's devices) -> one tree of [n, ...] arrays, each
     device holding its own block."""
-    sharding = NamedSharding(mesh, P(AXIS))
-    n = mesh.shape[AXIS]
+    sharding = NamedSharding(mesh, P(axis))
+    n = mesh.shape[axis]
     trees = list(blocks.values())
     leaves = [jax.tree.leaves(t) for t in trees]
     treedef = jax.tree.structure(trees[0])

@@ -120,7 +120,9 @@ def test_data_parallel_rules_refused_before_loading():
     check_config(EngineConfig(data_parallel_size=2), 2)
     with pytest.raises(ValueError, match="needs 4 devices; there are 2"):
         check_config(EngineConfig(data_parallel_size=2, tensor_parallel_size=2), 2)
-    with pytest.raises(ValueError, match="--enable-expert-parallel"):
-        check_config(EngineConfig(data_parallel_size=2, enable_expert_parallel=True), 2)
+    with pytest.raises(ValueError, match="--enable-lora"):
+        check_config(EngineConfig(data_parallel_size=2, enable_lora=True), 2)
+    with pytest.raises(ValueError, match="--kv-transfer-config"):
+        check_config(EngineConfig(data_parallel_size=2, kv_transfer_config="{}"), 2)
     with pytest.raises(ValueError, match="at least 1"):
         check_config(EngineConfig(data_parallel_size=0), 2)

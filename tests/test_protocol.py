@@ -859,6 +859,18 @@ def test_worker_endpoints_and_vllm_metric_names(engine, tokenizer):
     run(go())
 
 
+def test_tokenizer_endpoints_without_a_tokenizer_are_a_400(engine):
+    async def go():
+        async with serve(engine) as client:
+            engine.tokenizer = None  # served with token ids in and out
+            await _error(await client.post("/detokenize", json={"tokens": [5]}), 400,
+                         code="no_tokenizer")
+            await _error(await client.post("/tokenize", json={"prompt": "hi"}), 400,
+                         code="no_tokenizer")
+            await _error(await client.get("/tokenizer_info"), 400, code="no_tokenizer")
+    run(go())
+
+
 def test_stream_disconnect_aborts(engine):
     async def go():
         engine.block_after = 3

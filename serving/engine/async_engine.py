@@ -203,17 +203,7 @@ class AsyncEngine:
         self._submit(self.engine.abort, request_id)
 
     def stats(self) -> EngineStats:
-        s = self.engine.scheduler
-        kvm = s.kv_cache_manager
-        return EngineStats(s.num_running, s.num_waiting + self._num_unadded, s.kv_cache_usage,
-                           s.num_preemptions_total, kvm.prefix_cache_queries,
-                           kvm.prefix_cache_hits, s.num_prompt_tokens_total,
-                           s.num_generation_tokens_total,
-                           s.spec_stats.snapshot() if self.engine.drafter else None,
-                           *(_adapter_counts(s) if self.engine.lora else (None, None)),
-                           num_prompt_tokens_transferred=getattr(
-                               getattr(self.engine, "kv_transfer", None),
-                               "num_transferred_tokens", 0))
+        return engine_stats(self.engine, self._num_unadded)
 
     def replica_stats(self) -> list[EngineStats]:
         """One EngineStats per data-parallel replica: this engine is one."""
@@ -354,6 +344,21 @@ class AsyncEngine:
                 self._deliver_all([(out.request_id, out) for out in self.engine.step()])
                 if self._stats_log:
                     self._stats_log.maybe_log(self.stats())
+
+
+def engine_stats(engine: "LLMEngine", num_unadded: int = 0) -> EngineStats:
+    """What one engine's scheduler says now; num_unadded: requests submitted to it that its
+    thread has not added yet (counted as waiting)."""
+    s = engine.scheduler
+    kvm = s.kv_cache_manager
+    return EngineStats(s.num_running, s.num_waiting + num_unadded, s.kv_cache_usage,
+                       s.num_preemptions_total, kvm.prefix_cache_queries,
+                       kvm.prefix_cache_hits, s.num_prompt_tokens_total,
+                       s.num_generation_tokens_total,
+                       s.spec_stats.snapshot() if engine.drafter else None,
+                       *(_adapter_counts(s) if engine.lora else (None, None)),
+                       num_prompt_tokens_transferred=getattr(
+                           getattr(engine, "kv_transfer", None), "num_transferred_tokens", 0))
 
 
 def _put_all(puts: list) -> None:

@@ -7,9 +7,10 @@ a replica: the one `X-data-parallel-rank` names (serving/core/dp_rank.py), else 
 prefix cache holds the longest run of the prompt's leading pages, else (and when that one is
 busier than the least loaded by more than BALANCE_SLACK) the least loaded by vLLM's score,
 4 x waiting + running. A request stays on its replica for its life; `--max-num-seqs` is per
-replica, as in vLLM. Dense models only: attention data-parallel with experts over every
-device (vLLM's -dp with --enable-expert-parallel) is refused. docs/architecture.md, "Fleets:
-routers, data parallelism and disaggregation".
+replica, as in vLLM. With --enable-expert-parallel on a mixture of experts the replicas are
+the ranks of one program instead (attention data parallel, experts over every device:
+serving/engine/lockstep.py), placed the same way. docs/architecture.md, "Fleets: routers,
+data parallelism and disaggregation".
 """
 from __future__ import annotations
 
@@ -42,11 +43,6 @@ def check_config(ec: EngineConfig, num_devices: int) -> None:
     if ec.num_processes > 1:
         raise ValueError("--data-parallel-size over several processes is not supported; run "
                          "one server per host behind a router")
-    if ec.enable_expert_parallel:
-        raise ValueError("--data-parallel-size with --enable-expert-parallel (attention data "
-                         "parallel, experts over every device) is not supported; use "
-                         "--tensor-parallel-size with --enable-expert-parallel, or -dp "
-                         "without it")
     if ec.enable_lora:
         raise ValueError("--enable-lora is not supported with --data-parallel-size > 1")
     if ec.kv_transfer_config:
@@ -66,6 +62,9 @@ def build_replicas(ec: EngineConfig, log_stats_interval_s: float | None = 10.0
 
     from serving.engine.llm_engine import LLMEngine
     check_config(ec, len(jax.devices()))
+    if ec.enable_expert_parallel:  # one program over every rank (serving/engine/lockstep.py)
+        from serving.engine.lockstep import build_lockstep
+        return DataParallelEngine(build_lockstep(ec, log_stats_interval_s))
     replicas, kv_memory = [], ec.kv_cache_memory
     for rank in range(ec.data_parallel_size):
         device = jax.devices()[rank * ec.tensor_parallel_size]

@@ -73,7 +73,9 @@ def plan_cache(engine, page_bytes: int) -> CachePlan:
         kv_dtype = engine.cfg.dtype if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype
         num_pages, window_pages = sizing.num_pages_hybrid(
             ec, page_bytes, pool, max_model_len, kv_dtype,
-            devices=engine.placement.size * ec.data_parallel_size, seq_pages=seq_pages)
+            devices=engine.placement.size * (
+                1 if getattr(engine.placement, "data_parallel", False)
+                else ec.data_parallel_size), seq_pages=seq_pages)
     if engine.cluster is not None:
         max_model_len, num_pages = multiprocess.agree(max_model_len, num_pages)
     buckets = sizing.buckets(ec, max_model_len, engine.max_num_batched_tokens,

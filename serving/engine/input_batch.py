@@ -54,15 +54,19 @@ class InputBatch:
         self.reused = 0  # steps built from the last one (for benchmarks and tests)
 
     def prepare(self, out: SchedulerOutput, lora_slots: list[int] | None = None,
-                prev_rows: dict[str, int] | None = None) -> StepArrays:
+                prev_rows: dict[str, int] | None = None,
+                shape: tuple[int, int, int] | None = None) -> StepArrays:
         """The step's arrays, equal to input_prep.prepare's for the same arguments."""
         sched = out.scheduled
         decodes = self.pooling_type is None and _decodes(sched)
         arrays = (self._next(sched, lora_slots, prev_rows)
                   if decodes and self._kept is not None else None)
+        if arrays is not None and shape is not None and arrays.shape != shape:
+            arrays = None
         if arrays is None:
             arrays = prepare(out, self.buckets, self.page_size, self.max_num_seqs,
-                             self.bitmask_width, self.pooling_type, lora_slots, prev_rows)
+                             self.bitmask_width, self.pooling_type, lora_slots, prev_rows,
+                             shape)
         else:
             self.reused += 1
         # Kept only when its arrays carry nothing that changes with each token's value

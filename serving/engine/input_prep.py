@@ -59,14 +59,16 @@ def all_step_shapes(buckets: Buckets, max_num_seqs: int) -> list[tuple[int, int,
 def prepare(out: SchedulerOutput, buckets: Buckets, page_size: int,
             max_num_seqs: int, bitmask_width: int = 0,
             pooling_type: str | None = None, lora_slots: list[int] | None = None,
-            prev_rows: dict[str, int] | None = None) -> StepArrays:
+            prev_rows: dict[str, int] | None = None,
+            shape: tuple[int, int, int] | None = None) -> StepArrays:
     """pooling_type: an embedding engine's (core/pooling_params.py), else None.
     lora_slots: with LoRA on, each scheduled request's adapter slot (-1: none).
     prev_rows: with async scheduling, the previous step's first sampled row of each of its
-    requests, for the tokens it samples that this step takes as input."""
+    requests, for the tokens it samples that this step takes as input. shape: the bucket
+    (at least the step's own), else the step's own."""
     sched = out.scheduled
-    T, R, P = step_shape(buckets, out.num_batched_tokens,
-                         max(len(s.page_ids) for s in sched), max_num_seqs)
+    T, R, P = shape or step_shape(buckets, out.num_batched_tokens,
+                                  max(len(s.page_ids) for s in sched), max_num_seqs)
     first_rows = _first_rows(sched, R)
     batch = _token_arrays(sched, T, R, P, page_size, first_rows, prev_rows)
     if lora_slots is not None:  # every token of a request uses its adapter

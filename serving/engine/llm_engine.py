@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import random
@@ -32,6 +33,8 @@ from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weig
                                         request_vocab_size)
 from serving.core import grammar as structured
 from serving.engine.input_batch import InputBatch
+from serving.engine.dp_attention import DataParallelAttention, StackedRunner
+from serving.engine.dp_attention import check as check_lockstep_model
 from serving.engine.input_prep import all_step_shapes, padding_step
 from serving.engine.kv_event_publisher import start_kv_events
 from serving.engine.parallel_sampling import ParentRequest
@@ -87,6 +90,10 @@ class LLMEngine:
                                         every_device=self.cluster is not None,
                                         expert_parallel=ec.enable_expert_parallel)
         DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
+        # -dp N with --enable-expert-parallel: N ranks in one program (dp_attention.py)
+        self.lockstep = ec.data_parallel_size > 1 and ec.enable_expert_parallel
+        if self.lockstep:
+            _check_lockstep(ec, self.model_dir, self.task, self.speculative_config)
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
         # The tokenizer (importing transformers, most of a second) loads beside the weights.
@@ -95,8 +102,9 @@ class LLMEngine:
             self.cfg, params = load_weights(self.model_dir, ec, dtype)
             self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
             self.tokenizer = tokenizer.result()
-        self.cfg = mesh.with_expert_parallel(self.cfg, ec.tensor_parallel_size,
-                                             ec.enable_expert_parallel)
+        self.cfg = mesh.with_expert_parallel(
+            self.cfg, ec.data_parallel_size if self.lockstep else ec.tensor_parallel_size,
+            ec.enable_expert_parallel)
         # --task embed: pooler and model facts (a bad --pooler-config fails here)
         self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
                          if self.task == "embed" else None)
@@ -105,8 +113,10 @@ class LLMEngine:
         self.max_num_batched_tokens = ec.max_num_batched_tokens or 512
         self.weight_bytes = param_bytes(params)  # quantized: values + scales
         self.quantization = describe_quantization(params)
-        self.placement = mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype,
-                                        ec.data_parallel_rank * ec.tensor_parallel_size)
+        self.placement = (DataParallelAttention(self.cfg, ec.data_parallel_size)
+                          if self.lockstep else
+                          mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype,
+                                         ec.data_parallel_rank * ec.tensor_parallel_size))
         # Not for a mesh yet, nor for a data-parallel replica on a device other than the
         # first (a saved program is bound to its device): those compile at every start.
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
@@ -121,7 +131,8 @@ class LLMEngine:
                       + (self.draft.page_bytes if self.draft else 0))
         # The stored tree is consumed here: the device holds the weights once before the
         # KV cache is sized and allocated.
-        self.runner = ModelRunner(self.cfg, params, num_pages=None, page_size=ec.page_size,
+        runner = StackedRunner if self.lockstep else ModelRunner
+        self.runner = runner(self.cfg, params, num_pages=None, page_size=ec.page_size,
                                   attention_backend=self.attention_backend,
                                   kv_cache_dtype=ec.kv_cache_dtype, free_stacked=True,
                                   max_logprobs=ec.max_logprobs, vocab_size=self.vocab_size,
@@ -134,17 +145,30 @@ class LLMEngine:
         self.memory_plan, self.max_model_len = plan.memory_plan, plan.max_model_len
         self.num_pages, self.window_num_pages = plan.num_pages, plan.window_num_pages
         self.buckets, self.kv_cache_bytes = plan.buckets, plan.kv_cache_bytes
-        window, pool = plan.window, plan.pool
+        self._cache_layout = (plan.window, plan.pool)
+        self.runner.allocate_kv_cache(self.num_pages, self.window_num_pages)
+        if self.placement.size > 1 and not self.lockstep:
+            mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
+        self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
+        self.warmup_report: WarmupReport | None = None
+        self._grammar_compiler: structured.GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self._kv_events_config = kv_events_config
+        self._new_host_state(ec.data_parallel_rank)
+        # Prefill/decode disaggregation (--kv-transfer-config; serving/kv_transfer/)
+        self.kv_transfer = _kv_transfer(KVTransferConfig.parse(ec.kv_transfer_config), self)
+
+    def _new_host_state(self, rank: int) -> None:
+        """What one rank schedules: its scheduler over its pages, step arrays, outputs,
+        n > 1 parents, the step in flight, seeds, and its KV cache events (from the
+        process that schedules; started last: nothing to close if a step above fails)."""
+        ec, (window, pool) = self.config, self._cache_layout
         self.scheduler = Scheduler(SchedulerConfig(
             ec.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, ec.page_size,
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
             model_key=model_key(self.model_dir, ec),
             max_loras=self.lora.config.max_loras if self.lora else 0, sliding_window=window,
             window_group=pool.window if pool else 0, window_num_pages=self.window_num_pages))
-        self.runner.allocate_kv_cache(self.num_pages, self.window_num_pages)
-        if self.placement.size > 1:
-            mesh.log_devices(self.placement, self.runner.params, self.runner.cache)
-        self.step_shapes = all_step_shapes(self.buckets, ec.max_num_seqs)
         self.input_batch = InputBatch(self.buckets, ec.page_size, ec.max_num_seqs,
                                       self.runner.bitmask_width,
                                       self.embedder and self.embedder.pooler.pooling_type)
@@ -155,19 +179,19 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
         self._pending = _Pending()
         self._flight: InFlight | None = None  # a step applied ahead (step_ahead.py)
-        self._seeds = random.Random(ec.seed)
-        self.warmup_report: WarmupReport | None = None
+        self._seeds = random.Random(ec.seed + rank)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.faults = Faults.from_env()  # test hook, off unless configured
-        self._grammar_compiler: structured.GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
-        # KV cache events for KV-aware routers (--kv-events-config), from the process that
-        # schedules; None: off. Started last: nothing to close if a step above fails.
-        self.kv_events = (start_kv_events(kv_events_config, ec.data_parallel_rank,
+        self.kv_events = (start_kv_events(self._kv_events_config, rank,
                                           self.scheduler.kv_cache_manager)
                           if self.cluster is None or self.cluster.is_leader else None)
-        # Prefill/decode disaggregation (--kv-transfer-config; serving/kv_transfer/)
-        self.kv_transfer = _kv_transfer(KVTransferConfig.parse(ec.kv_transfer_config), self)
+
+    def rank_replica(self, rank: int) -> "LLMEngine":
+        """Data-parallel attention (serving/engine/lockstep.py): another rank's host state
+        over this engine's model, runner and programs."""
+        other = copy.copy(self)
+        other._new_host_state(rank)
+        return other
 
     @property
     def faults(self) -> Faults | None:
@@ -363,12 +387,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        self._release_held()
-        if self.kv_transfer:
-            self.kv_transfer.poll()
-        out = self.scheduler.schedule()
-        if self.kv_transfer:
-            self.kv_transfer.start_loads()
+        out = self.schedule_step()
         flight = self._flight  # the last step, if it ran ahead: settled below
         if not out.scheduled:
             return self._settle() + self._emit_pending()
@@ -382,20 +401,38 @@ class LLMEngine:
         if runs_ahead(out, self):
             self._flight = InFlight(out, arrays, handle, self.scheduler.update_ahead(out))
             return outputs
-        result = self.runner.fetch(handle)
+        return outputs + self.finish_step(out, arrays, self.runner.fetch(handle))
+
+    def schedule_step(self) -> SchedulerOutput:
+        """A step's first phase: who runs and how many tokens (held samples released, KV
+        transfers polled and started around it)."""
+        self._release_held()
+        if self.kv_transfer:
+            self.kv_transfer.poll()
+        out = self.scheduler.schedule()
+        if self.kv_transfer:
+            self.kv_transfer.start_loads()
+        return out
+
+    def finish_step(self, out: SchedulerOutput, arrays, result: StepResult
+                    ) -> list[RequestOutput]:
+        """A step's last phase, once its result is on the host: the tokens applied, the
+        grammars advanced, the next proposals made; outputs are emitted during the next
+        step (`emit_pending`). Returns the outputs of requests it failed."""
+        failed = []
         if result.prompt is not None:
             self.outputs.collect_prompt_logprobs(out, result.prompt)
         if result.pooled is not None:
             self.embedder.collect(out, result.pooled, self.outputs.collector_of)
         changed = self.scheduler.update(out, emitted_tokens(out, arrays.first_rows, result))
         for req, error in structured.advance(self._grammar_compiler, changed):
-            outputs.append(self.outputs.fail(req.request_id,
-                                             f"structured output failed: {error}"))
+            failed.append(self.outputs.fail(req.request_id,
+                                            f"structured output failed: {error}"))
         if self.drafter:
             self.drafter.propose(self.scheduler.running)
         row = first_rows_by_request(out, arrays)
         self._pending = _Pending(changed, [row[r.request_id] for r in changed], result)
-        return outputs
+        return failed
 
     def _settle(self) -> list[RequestOutput]:
         """Fetches the step applied ahead, if any, writes its tokens over the placeholders
@@ -421,38 +458,59 @@ class LLMEngine:
         self._parents.clear()
         return self.outputs.fail_all(error)
 
-    def _build(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None):
+    def _build(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None,
+               shape: tuple[int, int, int] | None = None):
         if self.faults:
             self.faults.check("sampling", (s.request for s in out.scheduled))
         lora_slots = (self.lora.step_slots([s.request.lora for s in out.scheduled])
                       if self.lora else None)
-        return self.input_batch.prepare(out, lora_slots, prev_rows)
+        return self.input_batch.prepare(out, lora_slots, prev_rows, shape)
 
-    def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None):
+    def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None,
+                 shape: tuple[int, int, int] | None = None):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot
         be built, each request is built alone to find the ones at fault; they fail, the
         rest runs. Arrays are None when no request is left. prev_rows: the last step's rows,
-        when it ran ahead (step_ahead.py)."""
+        when it ran ahead (step_ahead.py). shape: the bucket to build in (the ranks of
+        data-parallel attention share one), instead of the smallest that holds the step."""
         try:
-            return out, self._build(out, prev_rows), []
+            return out, self._build(out, prev_rows, shape), []
         except Exception as e:  # noqa: BLE001 - one request's inputs must not fail a batch
             log.error("building a step failed (%s); retrying its requests one by one",
                       type(e).__name__)
         failed, gone = [], set()  # outputs carry the caller's id; gone holds the samples'
         for s in out.scheduled:
             try:
-                self._build(SchedulerOutput([s]), prev_rows)
+                self._build(SchedulerOutput([s]), prev_rows, shape)
             except Exception as e:  # noqa: BLE001 - this request is at fault
                 failed.append(self.outputs.fail_alone(s.request.request_id, "sampling inputs",
                                                       e))
                 gone.add(s.request.request_id)
         kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in gone],
                                out.preempted)
-        return kept, (self._build(kept, prev_rows) if kept.scheduled else None), failed
+        return kept, (self._build(kept, prev_rows, shape) if kept.scheduled else None), failed
+
+    prepare_step = _prepare
+    def emit_pending(self) -> list[RequestOutput]:
+        return self._emit_pending()
 
     def _emit_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, _Pending()
         return self.outputs.emit(p.requests, p.rows, p.result)
+
+
+def _check_lockstep(ec: EngineConfig, model_dir, task: str, speculative_config) -> None:
+    """What data-parallel attention does not run (yet), refused before the weights load."""
+    from model.config import ModelConfig
+    refused = [name for name, on in (
+        ("--tensor-parallel-size > 1", ec.tensor_parallel_size > 1),
+        ("--speculative-config", speculative_config), ("--enable-lora", ec.enable_lora),
+        ("--task embed", task == "embed")) if on]
+    if refused:
+        raise ValueError("--data-parallel-size with --enable-expert-parallel does not take "
+                         + ", ".join(refused))
+    check_lockstep_model(ModelConfig.from_dir(model_dir), ec.data_parallel_size,
+                         len(jax.devices()))
 
 
 def _kv_transfer(config: KVTransferConfig | None, engine: LLMEngine):

@@ -77,7 +77,20 @@ class SingleDevice:
         return fn
 
 
-class TensorParallel:
+class OnMesh:
+    """What every placement over a mesh answers alike."""
+    mesh = None
+
+    @property
+    def devices(self) -> list:
+        return sharding.mesh_devices(self.mesh)
+
+    def weight_bytes(self, params) -> int:
+        """The most weight bytes one device holds."""
+        return max(per_device_bytes(params).values())
+
+
+class TensorParallel(OnMesh):
     """A 1-D mesh ("model"); weights and KV cache as model/sharding.py splits them, step
     inputs and outputs replicated. The mesh may be abstract (jax.sharding.AbstractMesh),
     to lower programs for devices this host does not have."""
@@ -91,14 +104,6 @@ class TensorParallel:
         self.mesh = mesh
         self._quantized_kv = kv_storage_dtype(cfg, kv_cache_dtype)[1]
         self._replicated = NamedSharding(self.mesh, P())
-
-    @property
-    def devices(self) -> list:
-        return sharding.mesh_devices(self.mesh)
-
-    def weight_bytes(self, params) -> int:
-        """The most weight bytes one device holds."""
-        return max(per_device_bytes(params).values())
 
     def prepare(self, params, free_stacked: bool = False):
         return sharding.shard_params(params, self.cfg, self.mesh)

@@ -106,6 +106,7 @@ class ModelRunner:
     placement: one device (default) or a tensor-parallel mesh (serving/engine/mesh.py).
     pooling: an embedding engine's runner, with the final-norm program of
     serving/engine/pooling.py (compiled by the engine's warm-up)."""
+    scores_prompts = True  # has a prompt-logprobs program (compiled at warm-up)
 
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int | None, page_size: int,
                  attention_backend: str = "reference", kv_cache_dtype: str | None = None,
@@ -251,9 +252,10 @@ class ModelRunner:
                 bar.set_postfix_str(f"T={shape[0]} R={shape[1]} P={shape[2]} "
                                     f"{report.seconds[i]:.1f}s")
         bar.close()
-        prompt_s, loaded = self.compile_prompt_logprobs()
-        report.seconds.append(prompt_s)
-        report.loaded += loaded
+        if self.scores_prompts:
+            prompt_s, loaded = self.compile_prompt_logprobs()
+            report.seconds.append(prompt_s)
+            report.loaded += loaded
         report.wall = time.perf_counter() - started
         log.info("warm-up: %d programs (%d step shapes and the prompt-logprobs one), %d "
                  "loaded, %d compiled, in %.1f s (%d at a time); compiled programs in %s",

@@ -228,9 +228,19 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+def _tokenizer(state: ServerState):
+    """The model's tokenizer; a model served without one (token ids in and out) answers the
+    tokenizer endpoints with a 400, not a crash."""
+    if state.engine.tokenizer is None:
+        raise p.ProtocolError("this model is served without a tokenizer (token ids in and "
+                              "out): there is nothing to tokenize or detokenize with",
+                              code="no_tokenizer")
+    return state.engine.tokenizer
+
+
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    tokenizer = state.engine.tokenizer
+    tokenizer = _tokenizer(state)
     body = await read_json(request)
     check_model(state, p.opt_str(body, "model"))
     add_generation_prompt = p.opt_bool(body, "add_generation_prompt", True)  # messages only
@@ -256,7 +266,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    tokenizer = state.engine.tokenizer
+    tokenizer = _tokenizer(state)
     body = await read_json(request)
     check_model(state, p.opt_str(body, "model"))
     tokens = p.token_id_list(body.get("tokens"))
@@ -270,7 +280,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     """What a client needs to tokenize as the server does (vLLM's /tokenizer_info;
     lm-evaluation-harness's remote tokenizer reads it, then calls /tokenize and /detokenize)."""
     state = request.app[STATE]
-    tokenizer = state.engine.tokenizer
+    tokenizer = _tokenizer(state)
     return web.json_response({
         "tokenizer_class": type(tokenizer).__name__,
         "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
