@@ -33,11 +33,13 @@ def models(tmp_path_factory, demo_model_dir) -> dict[str, Path]:
     as for any model."""
     root = tmp_path_factory.mktemp("dpa-models")
     made = {}
-    for family, extra in (("qwen2_moe", {}), ("qwen3_moe", {"vocab_size": 49152})):
+    demo_vocab = {"vocab_size": 49152}
+    for family, extra in (("qwen2_moe", {}), ("qwen3_moe", demo_vocab), ("llama", demo_vocab)):
         made[family] = root / family
         tiny_hf_model(family, made[family], seed=1, **extra)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(demo_model_dir / name, made["qwen3_moe"] / name)
+    for family in ("qwen3_moe", "llama"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(demo_model_dir / name, made[family] / name)
     return made
 
 
@@ -52,7 +54,9 @@ def results(models, tmp_path_factory):
     spec = {"qwen2-moe": dict(model=str(models["qwen2_moe"]),
                               options=dict(cpu, quantize="none")),
             "qwen3-moe-int8": dict(model=str(models["qwen3_moe"]),
-                                   options=dict(cpu, quantize="int8"))}
+                                   options=dict(cpu, quantize="int8")),
+            "llama": dict(model=str(models["llama"]), options=dict(cpu, quantize="none"),
+                          reference_only=True)}
     path = tmp_path_factory.mktemp("dpa-cases") / "cases.json"
     path.write_text(json.dumps(spec))
     done = subprocess.run([sys.executable, "-m", "tests.dp_attention_child", str(RANKS),
@@ -74,30 +78,73 @@ def test_ranks_in_one_program_give_one_engines_tokens(results, name):
     assert (out["devices"], out["experts_per_device"]) == (RANKS, 4 // RANKS)
 
 
-def test_serve_answers_on_either_rank_as_one_engine(models, results, tmp_path):
-    port = free_port()
-    env = dict(child_env(), XLA_FLAGS=f"--xla_force_host_platform_device_count={RANKS}")
-    cmd = [sys.executable, "-m", "serving", "serve", str(models["qwen3_moe"]), "--port",
-           str(port), "--data-parallel-size", str(RANKS), "--enable-expert-parallel",
-           "--quantize", "int8", "--attention-backend", "cpu", "--max-num-seqs", "4",
-           "--max-model-len", "64", "--max-num-batched-tokens", "16", "--page-size", "4",
-           "--token-buckets", "16", "--request-buckets", "4", "--disable-log-stats"]
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+SERVE_FLAGS = ["--attention-backend", "cpu", "--max-num-seqs", "4", "--max-model-len", "64",
+               "--max-num-batched-tokens", "16", "--page-size", "4", "--token-buckets", "16",
+               "--request-buckets", "4", "--disable-log-stats", "--data-parallel-size",
+               str(RANKS)]
+
+
+def start(model: Path, flags: list[str], tmp: Path, processes: int) -> tuple[int, list]:
+    """`xlaserve serve` of RANKS ranks: one process with RANKS simulated devices, or RANKS
+    processes of one device each (jax.distributed over loopback); -> (port, processes)."""
+    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+    env = dict(child_env(), XLA_FLAGS=f"--xla_force_host_platform_device_count="
+                                      f"{RANKS // processes}", JAX_PLATFORMS="cpu")
+    procs = []
+    for i in range(processes):
+        cluster = (["--coordinator-address", coordinator, "--num-processes", str(processes),
+                    "--process-id", str(i), "--compilation-cache-dir", ""]
+                   if processes > 1 else [])
+        with (tmp / f"server{i}.log").open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "serving", "serve", str(model), "--port", str(port),
+                 *SERVE_FLAGS, *flags, *cluster], cwd=ROOT, env=env, stdout=out,
+                stderr=subprocess.STDOUT))
+    wait_healthy(port, 300, alive=lambda: all(p.poll() is None for p in procs)
+                 or print((tmp / "server0.log").read_text()[-3000:]))
+    return port, procs
+
+
+def answers_as(port: int, tokens: list[int]) -> None:
+    """Greedy on rank 0, on rank 1 and placed by the server: the reference's text."""
+    status, expected = post(port, "/detokenize", {"tokens": tokens})
+    assert status == 200, expected
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    for headers in ({"X-data-parallel-rank": "0"}, {"X-data-parallel-rank": "1"}, None):
+        status, answer = post(port, "/v1/completions", body, headers)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == expected["prompt"], headers
+        assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def stop(procs: list) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("family, case, flags", [
+    ("qwen3_moe", "qwen3-moe-int8", ["--enable-expert-parallel", "--quantize", "int8"]),
+    ("llama", "llama", ["--quantize", "none"])])
+def test_two_processes_one_rank_each(models, results, tmp_path, family, case, flags):
+    """-dp over jax.distributed: a mixture's ranks split its experts across the processes;
+    a dense model's ranks step together all the same (one program over every device)."""
+    port, procs = start(models[family], flags, tmp_path, processes=RANKS)
     try:
-        wait_healthy(port, 300, alive=lambda: proc.poll() is None
-                     or print(log.read_text()[-3000:]))
-        tokens = results["qwen3-moe-int8"]["reference"]["tokens"][0]
-        status, expected = post(port, "/detokenize", {"tokens": tokens})
-        assert status == 200, expected
-        body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True}
-        for headers in ({"X-data-parallel-rank": "0"}, {"X-data-parallel-rank": "1"}, None):
-            status, answer = post(port, "/v1/completions", body, headers)
-            assert status == 200, answer
-            assert answer["choices"][0]["text"] == expected["prompt"], headers
-            assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+        answers_as(port, results[case]["reference"]["tokens"][0])
+        status, load = get_json(port, "/get_load")
+        assert [entry["dp_rank"] for entry in load] == [0, 1]
+    finally:
+        stop(procs)
+
+
+def test_serve_answers_on_either_rank_as_one_engine(models, results, tmp_path):
+    port, procs = start(models["qwen3_moe"], ["--enable-expert-parallel", "--quantize", "int8"],
+                        tmp_path, processes=1)
+    try:
+        answers_as(port, results["qwen3-moe-int8"]["reference"]["tokens"][0])
+        body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
         status, refused = post(port, "/v1/completions", {**body, "prompt_logprobs": 1})
         assert status == 400 and "data-parallel attention" in refused["error"]["message"]
         status, load = get_json(port, "/get_load")
@@ -105,8 +152,7 @@ def test_serve_answers_on_either_rank_as_one_engine(models, results, tmp_path):
         status, info = get_json(port, "/server_info")
         assert info["dp_size"] == RANKS
     finally:
-        proc.kill()
-        proc.wait()
+        stop(procs)
 
 
 def test_what_data_parallel_attention_refuses(models):

@@ -7,9 +7,9 @@ a replica: the one `X-data-parallel-rank` names (serving/core/dp_rank.py), else 
 prefix cache holds the longest run of the prompt's leading pages, else (and when that one is
 busier than the least loaded by more than BALANCE_SLACK) the least loaded by vLLM's score,
 4 x waiting + running. A request stays on its replica for its life; `--max-num-seqs` is per
-replica, as in vLLM. With --enable-expert-parallel on a mixture of experts the replicas are
-the ranks of one program instead (attention data parallel, experts over every device:
-serving/engine/lockstep.py), placed the same way. docs/architecture.md, "Fleets: routers,
+replica, as in vLLM. With --enable-expert-parallel on a mixture of experts, or over several
+processes (jax.distributed), the replicas are the ranks of one program instead (attention
+data parallel, experts over every device: serving/engine/lockstep.py), placed the same way. docs/architecture.md, "Fleets: routers,
 data parallelism and disaggregation".
 """
 from __future__ import annotations
@@ -33,22 +33,19 @@ log = logging.getLogger("xlaserve")
 BALANCE_SLACK = 8
 
 
-def check_config(ec: EngineConfig, num_devices: int) -> None:
-    """vLLM's rules for -dp, before anything loads."""
+def check_config(ec: EngineConfig, num_devices: int | None) -> None:
+    """vLLM's rules for -dp, before anything loads (num_devices None: not counted here)."""
     n, tp = ec.data_parallel_size, ec.tensor_parallel_size
     if n < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {n}")
     if n == 1:
         return
-    if ec.num_processes > 1:
-        raise ValueError("--data-parallel-size over several processes is not supported; run "
-                         "one server per host behind a router")
     if ec.enable_lora:
         raise ValueError("--enable-lora is not supported with --data-parallel-size > 1")
     if ec.kv_transfer_config:
         raise ValueError("--kv-transfer-config is not supported with --data-parallel-size > 1; "
                          "run one prefill and one decode server per replica")
-    if n * tp > num_devices:
+    if num_devices is not None and n * tp > num_devices:
         raise ValueError(f"--data-parallel-size {n} x --tensor-parallel-size {tp} needs "
                          f"{n * tp} devices; there are {num_devices}")
 
@@ -58,13 +55,16 @@ def build_replicas(ec: EngineConfig, log_stats_interval_s: float | None = 10.0
     """N LLMEngines, each built on its replica's first device as JAX's default (weights,
     KV cache, programs), wrapped in AsyncEngines that keep that default for warm-up and
     steps. The KV cache of every replica is sized as the first one's."""
+    if ec.enable_expert_parallel or ec.num_processes > 1:
+        # one program over every rank (serving/engine/lockstep.py); its devices are counted
+        # once the engine has joined the other processes' runtime
+        check_config(ec, None)
+        from serving.engine.lockstep import build_lockstep
+        return DataParallelEngine(build_lockstep(ec, log_stats_interval_s))
     import jax
 
     from serving.engine.llm_engine import LLMEngine
     check_config(ec, len(jax.devices()))
-    if ec.enable_expert_parallel:  # one program over every rank (serving/engine/lockstep.py)
-        from serving.engine.lockstep import build_lockstep
-        return DataParallelEngine(build_lockstep(ec, log_stats_interval_s))
     replicas, kv_memory = [], ec.kv_cache_memory
     for rank in range(ec.data_parallel_size):
         device = jax.devices()[rank * ec.tensor_parallel_size]

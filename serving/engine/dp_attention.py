@@ -35,12 +35,17 @@ from serving.engine.step_buffers import pack
 AXIS = "data"
 
 
-def check(cfg: ModelConfig, n: int, num_devices: int) -> None:
-    """Before the weights load: a mixture whose experts split n ways, on n devices."""
-    if not cfg.num_experts:
+def check(cfg: ModelConfig, n: int, num_devices: int, expert_parallel: bool = True,
+          num_processes: int = 1) -> None:
+    """Before the weights load: n ranks on n devices (every device, over several processes);
+    expert parallel, a mixture whose experts split n ways."""
+    if num_processes > 1 and n != num_devices:
+        raise ValueError(f"over several processes every device is a rank: "
+                         f"--data-parallel-size must be {num_devices}, got {n}")
+    if expert_parallel and not cfg.num_experts:
         raise ValueError(f"--enable-expert-parallel is for mixture-of-experts models; "
                          f"{cfg.architecture} has no experts")
-    if cfg.num_experts % n:
+    if expert_parallel and cfg.num_experts % n:
         raise ValueError(f"--data-parallel-size {n} with --enable-expert-parallel splits the "
                          f"experts over {n} devices; {cfg.num_experts} experts do not split "
                          f"{n} ways")
@@ -62,8 +67,11 @@ class DataParallelAttention(OnMesh):
         self._sharded = NamedSharding(self.mesh, P(AXIS))
 
     def prepare(self, params, free_stacked: bool = False):
+        """Each process prepares the blocks of its own devices."""
         blocks = {}
         for shard, device in enumerate(self.devices):
+            if device.process_index != jax.process_index():
+                continue
             stored = jax.device_put(sharding.shard_experts(params, self.cfg, self.size, shard),
                                     device)
             blocks[device] = prepare_params(stored)
@@ -90,15 +98,18 @@ class DataParallelAttention(OnMesh):
 
     def put(self, x):
         """One rank's host arrays -> the same on every rank."""
-        return jax.tree.map(lambda a: jax.device_put(
-            np.broadcast_to(np.asarray(a), (self.size, *np.shape(a))), self._sharded), x)
+        return self.send(jax.tree.map(
+            lambda a: np.broadcast_to(np.asarray(a), (self.size, *np.shape(a))), x))
 
     def send(self, x):
-        """Host arrays already stacked by rank."""
-        return jax.device_put(x, self._sharded)
+        """Host arrays stacked by rank (the same in every process) -> each device its
+        rank's block."""
+        return jax.tree.map(lambda a: jax.make_array_from_callback(
+            a.shape, self._sharded, lambda index: a[index]), x)
 
     def host(self, a) -> np.ndarray:
-        return np.asarray(a)
+        """A step's output, gathered on every device: this process's copy."""
+        return np.asarray(a.addressable_data(0))
 
     def wrap_step(self, step):
         return partial(_rank_step, step, self.mesh)
@@ -118,16 +129,23 @@ def _refused(what: str):
 
 def _rank_step(step, mesh, params, cache, buffers, history, bitmask, last_tokens,
                lora_slots=None, **static):
-    """step of one rank -> the function of every rank: each argument and output carries a
-    leading rank axis (block [0] inside), the KV cache included."""
+    """step of one rank -> the function of every rank: each argument carries a leading rank
+    axis (block [0] inside), the KV cache included. The sampled tokens and which rows are
+    outputs are gathered, every rank's on every device (a few bytes a row), so the process
+    that schedules reads them all, whichever process holds a rank."""
     def local(params, cache, buffers, history, bitmask, last_tokens):
         first = partial(jax.tree.map, lambda a: a[0])
-        out = step(first(params), first(cache), first(buffers), history[0], bitmask[0],
-                   last_tokens[0], None, **static)
-        return jax.tree.map(lambda a: a[None], out)
+        sampled, emitted, blocks, cache, next_tokens = step(
+            first(params), first(cache), first(buffers), history[0], bitmask[0],
+            last_tokens[0], None, **static)
+        gather = partial(jax.tree.map, lambda a: jax.lax.all_gather(a, AXIS))
+        mine = partial(jax.tree.map, lambda a: a[None])
+        return (gather(sampled), gather(emitted), mine(blocks), mine(cache),
+                mine(next_tokens))
     spec = P(AXIS)
     # check_vma off: the kernels are FFI and Pallas calls with no replication rules.
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec,
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6,
+                         out_specs=(P(), P(), spec, spec, spec),
                          check_vma=False)(params, cache, buffers, history, bitmask,
                                           last_tokens)
 

@@ -86,14 +86,17 @@ class LLMEngine:
         if self.task == "embed" and self.speculative_config:
             raise ValueError("--speculative-config is for generation, not --task embed")
         self.model_dir = sizing.resolve_model_dir(ec.model, ec.tokenizer)
-        mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
-                                        every_device=self.cluster is not None,
-                                        expert_parallel=ec.enable_expert_parallel)
-        DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
-        # -dp N with --enable-expert-parallel: N ranks in one program (dp_attention.py)
-        self.lockstep = ec.data_parallel_size > 1 and ec.enable_expert_parallel
+        # -dp N with --enable-expert-parallel, or over several processes: N ranks in one
+        # program (dp_attention.py, lockstep.py)
+        self.lockstep = ec.data_parallel_size > 1 and (ec.enable_expert_parallel
+                                                       or self.cluster is not None)
         if self.lockstep:
             _check_lockstep(ec, self.model_dir, self.task, self.speculative_config)
+        else:
+            mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
+                                            every_device=self.cluster is not None,
+                                            expert_parallel=ec.enable_expert_parallel)
+        DraftModel.check_devices(self.speculative_config, ec.tensor_parallel_size)
         dtype = sizing.resolve_dtype(ec.dtype, self.model_dir, on_gpu)
         started = time.perf_counter()
         # The tokenizer (importing transformers, most of a second) loads beside the weights.
@@ -500,7 +503,7 @@ class LLMEngine:
 
 
 def _check_lockstep(ec: EngineConfig, model_dir, task: str, speculative_config) -> None:
-    """What data-parallel attention does not run (yet), refused before the weights load."""
+    """What the ranks of one program do not run (yet), refused before the weights load."""
     from model.config import ModelConfig
     refused = [name for name, on in (
         ("--tensor-parallel-size > 1", ec.tensor_parallel_size > 1),
@@ -510,7 +513,7 @@ def _check_lockstep(ec: EngineConfig, model_dir, task: str, speculative_config) 
         raise ValueError("--data-parallel-size with --enable-expert-parallel does not take "
                          + ", ".join(refused))
     check_lockstep_model(ModelConfig.from_dir(model_dir), ec.data_parallel_size,
-                         len(jax.devices()))
+                         len(jax.devices()), ec.enable_expert_parallel, ec.num_processes)
 
 
 def _kv_transfer(config: KVTransferConfig | None, engine: LLMEngine):

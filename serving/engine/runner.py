@@ -257,10 +257,11 @@ class ModelRunner:
             report.seconds.append(prompt_s)
             report.loaded += loaded
         report.wall = time.perf_counter() - started
-        log.info("warm-up: %d programs (%d step shapes and the prompt-logprobs one), %d "
-                 "loaded, %d compiled, in %.1f s (%d at a time); compiled programs in %s",
-                 report.programs, len(examples), report.loaded, report.compiled, report.wall,
-                 workers, self.executables.root if self.executables else "no folder")
+        log.info("warm-up: %d programs (%d step shapes%s), %d loaded, %d compiled, in %.1f s "
+                 "(%d at a time); compiled programs in %s", report.programs, len(examples),
+                 " and the prompt-logprobs one" if self.scores_prompts else "",
+                 report.loaded, report.compiled, report.wall, workers,
+                 self.executables.root if self.executables else "no folder")
         return report
 
     def dispatch(self, arrays: StepArrays):
