@@ -119,10 +119,12 @@ def main() -> int:
                                 *shlex.split(args.worker_flags)], logs / f"worker{i}.log"))
         for url, proc in zip(workers, procs):
             wait_healthy(url, proc, 600)
-        random = ["--dataset", "random", "--input-len", "256", "--output-len",
+        # named, not asked of the router: sglang-router answers /v1/models as text/plain
+        model = ["--model", json.loads(http(workers[0] + "/v1/models"))["data"][0]["id"]]
+        random = [*model, "--dataset", "random", "--input-len", "256", "--output-len",
                   str(args.output_len), "--num-prompts", str(4 * args.num_prompts),
                   "--max-concurrency", str(args.max_concurrency)]
-        chat = ["--dataset", "multi-turn", "--num-prompts", str(args.num_prompts),
+        chat = [*model, "--dataset", "multi-turn", "--num-prompts", str(args.num_prompts),
                 "--num-turns", str(args.num_turns), "--system-len", str(args.system_len),
                 "--output-len", str(args.output_len),
                 "--max-concurrency", str(args.max_concurrency)]
