@@ -14,6 +14,7 @@ import traceback
 
 from model.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from serving.core.config import EngineConfig, default_cache_root
+from serving.core.version import version
 from serving.core.kv_events_config import KVEventsConfig
 from serving.kv_transfer.config import KVTransferConfig
 from serving.lora.request import LoRAModule
@@ -162,14 +163,6 @@ class _DefaultsFormatter(argparse.HelpFormatter):
                 or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)".strip()
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as dist_version
-    try:
-        return dist_version("xlaserve")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -160,17 +160,16 @@ def test_what_data_parallel_attention_refuses(models):
     and the options it does not run yet."""
     from model.config import ModelConfig
     from serving.core.config import EngineConfig
-    from serving.engine.dp_attention import check
-    from serving.engine.llm_engine import _check_lockstep
+    from serving.engine.dp_attention import check, check_model
     cfg = ModelConfig.from_dir(models["qwen3_moe"])
-    check(cfg, 2, 2)
+    check_model(cfg, 2, 2)
     with pytest.raises(ValueError, match="4 experts do not split 3 ways"):
-        check(cfg, 3, 4)
+        check_model(cfg, 3, 4)
     with pytest.raises(ValueError, match="needs 4 devices; there are 2"):
-        check(cfg, 4, 2)
+        check_model(cfg, 4, 2)
     with pytest.raises(ValueError, match="for mixture-of-experts models"):
-        check(dataclasses.replace(cfg, num_experts=0), 2, 2)
+        check_model(dataclasses.replace(cfg, num_experts=0), 2, 2)
     options = EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
                            tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1, --enable-lora"):
-        _check_lockstep(options, models["qwen3_moe"], "generate", None)
+        check(options, models["qwen3_moe"], "generate", None)

@@ -27,6 +27,7 @@ from model import sharding
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.runtime_params import prepare_params
+from serving.core.config import EngineConfig
 from serving.engine.input_prep import StepArrays, history_shape
 from serving.engine.mesh import OnMesh
 from serving.engine.runner import ModelRunner, StepResult
@@ -35,10 +36,24 @@ from serving.engine.step_buffers import pack
 AXIS = "data"
 
 
-def check(cfg: ModelConfig, n: int, num_devices: int, expert_parallel: bool = True,
-          num_processes: int = 1) -> None:
-    """Before the weights load: n ranks on n devices (every device, over several processes);
-    expert parallel, a mixture whose experts split n ways."""
+def check(ec: EngineConfig, model_dir, task: str, speculative_config) -> None:
+    """What the ranks of one program do not run (yet), and the model and devices they need,
+    refused before the weights load."""
+    refused = [name for name, on in (
+        ("--tensor-parallel-size > 1", ec.tensor_parallel_size > 1),
+        ("--speculative-config", speculative_config), ("--enable-lora", ec.enable_lora),
+        ("--task embed", task == "embed")) if on]
+    if refused:
+        raise ValueError("--data-parallel-size with --enable-expert-parallel does not take "
+                         + ", ".join(refused))
+    check_model(ModelConfig.from_dir(model_dir), ec.data_parallel_size, len(jax.devices()),
+                ec.enable_expert_parallel, ec.num_processes)
+
+
+def check_model(cfg: ModelConfig, n: int, num_devices: int, expert_parallel: bool = True,
+                num_processes: int = 1) -> None:
+    """n ranks on n devices (every device, over several processes); expert parallel, a
+    mixture whose experts split n ways."""
     if num_processes > 1 and n != num_devices:
         raise ValueError(f"over several processes every device is a rank: "
                          f"--data-parallel-size must be {num_devices}, got {n}")

@@ -34,7 +34,7 @@ from serving.engine.model_files import (eos_token_ids, load_tokenizer, load_weig
 from serving.core import grammar as structured
 from serving.engine.input_batch import InputBatch
 from serving.engine.dp_attention import DataParallelAttention, StackedRunner
-from serving.engine.dp_attention import check as check_lockstep_model
+from serving.engine.dp_attention import check as check_lockstep
 from serving.engine.input_prep import all_step_shapes, padding_step
 from serving.engine.kv_event_publisher import start_kv_events
 from serving.engine.parallel_sampling import ParentRequest
@@ -91,7 +91,7 @@ class LLMEngine:
         self.lockstep = ec.data_parallel_size > 1 and (ec.enable_expert_parallel
                                                        or self.cluster is not None)
         if self.lockstep:
-            _check_lockstep(ec, self.model_dir, self.task, self.speculative_config)
+            check_lockstep(ec, self.model_dir, self.task, self.speculative_config)
         else:
             mesh.check_tensor_parallel_size(self.model_dir, ec.tensor_parallel_size,
                                             every_device=self.cluster is not None,
@@ -354,16 +354,18 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished or bool(self.scheduler.loading)
-                or bool(self._pending.requests)
+        return self._has_work() or bool(self.scheduler.loading)
+
+    def _has_work(self) -> bool:
+        """Something step() would do now (requests waiting for their KV from another
+        instance are not: they wait for it to land)."""
+        return (self.scheduler.has_unfinished or bool(self._pending.requests)
                 or self._flight is not None or any(p.held for p in self._parents.values()))
 
     def idle_s(self) -> float | None:
         """How long the engine thread may sleep before step() has work: 0 now; a KV
-        transfer's deadline; None: until a command (or a transfer thread) wakes it. Requests
-        waiting for their KV from another instance are no work until it lands."""
-        if (self.scheduler.has_unfinished or self._pending.requests or self._flight is not None
-                or any(p.held for p in self._parents.values())):
+        transfer's deadline; None: until a command (or a transfer thread) wakes it."""
+        if self._has_work():
             return 0.0
         return self.kv_transfer.wait_s() if self.kv_transfer else None
 
@@ -393,14 +395,14 @@ class LLMEngine:
         out = self.schedule_step()
         flight = self._flight  # the last step, if it ran ahead: settled below
         if not out.scheduled:
-            return self._settle() + self._emit_pending()
-        out, arrays, failed = self._prepare(out, flight and flight.rows)
+            return self._settle() + self.emit_pending()
+        out, arrays, failed = self.prepare_step(out, flight and flight.rows)
         if arrays is None:
-            return failed + self._settle() + self._emit_pending()
+            return failed + self._settle() + self.emit_pending()
         if self.faults:
             self.faults.check("step", (s.request for s in out.scheduled))
         handle = self.runner.dispatch(arrays)
-        outputs = failed + self._settle() + self._emit_pending()
+        outputs = failed + self._settle() + self.emit_pending()
         if runs_ahead(out, self):
             self._flight = InFlight(out, arrays, handle, self.scheduler.update_ahead(out))
             return outputs
@@ -469,8 +471,8 @@ class LLMEngine:
                       if self.lora else None)
         return self.input_batch.prepare(out, lora_slots, prev_rows, shape)
 
-    def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None,
-                 shape: tuple[int, int, int] | None = None):
+    def prepare_step(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None,
+                     shape: tuple[int, int, int] | None = None):
         """(the step's requests, their arrays, error outputs). When the step's arrays cannot
         be built, each request is built alone to find the ones at fault; they fail, the
         rest runs. Arrays are None when no request is left. prev_rows: the last step's rows,
@@ -493,27 +495,10 @@ class LLMEngine:
                                out.preempted)
         return kept, (self._build(kept, prev_rows, shape) if kept.scheduled else None), failed
 
-    prepare_step = _prepare
     def emit_pending(self) -> list[RequestOutput]:
-        return self._emit_pending()
-
-    def _emit_pending(self) -> list[RequestOutput]:
+        """The last step's outputs (detokenized while this step runs on the device)."""
         p, self._pending = self._pending, _Pending()
         return self.outputs.emit(p.requests, p.rows, p.result)
-
-
-def _check_lockstep(ec: EngineConfig, model_dir, task: str, speculative_config) -> None:
-    """What the ranks of one program do not run (yet), refused before the weights load."""
-    from model.config import ModelConfig
-    refused = [name for name, on in (
-        ("--tensor-parallel-size > 1", ec.tensor_parallel_size > 1),
-        ("--speculative-config", speculative_config), ("--enable-lora", ec.enable_lora),
-        ("--task embed", task == "embed")) if on]
-    if refused:
-        raise ValueError("--data-parallel-size with --enable-expert-parallel does not take "
-                         + ", ".join(refused))
-    check_lockstep_model(ModelConfig.from_dir(model_dir), ec.data_parallel_size,
-                         len(jax.devices()), ec.enable_expert_parallel, ec.num_processes)
 
 
 def _kv_transfer(config: KVTransferConfig | None, engine: LLMEngine):

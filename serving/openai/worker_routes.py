@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from serving.core.version import version
 from serving.openai import protocol as p
 from serving.openai import responses
 from serving.openai.chat_template_kwargs import chat_template_kwargs
@@ -77,7 +78,7 @@ async def server_info(request: web.Request) -> web.Response:
         "max_total_num_tokens": (engine.num_pages - 1) * config.page_size,
         "context_length": engine.max_model_len,
         "enable_prefix_caching": config.enable_prefix_caching,
-        "version": _version(),
+        "version": version(),
     })
 
 
@@ -160,12 +161,4 @@ def _hf_config(model_dir) -> dict:
         return json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("xlaserve")
-    except PackageNotFoundError:
-        return "unknown"
 
