@@ -76,3 +76,30 @@ def paged_attention(q, cache, layer, batch, sliding_window, scale: float,
     if backend == "pallas_pages":
         return ragged_paged_attention_pages(*args, **variants, interpret=pallas_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def latent_paged_attention(q, cache, layer, batch, scale: float, backend: str = "reference", *,
+                           value_dim: int):
+    """Latent attention (model/latent_attention.py): q [T, H, W] against the latent cache
+    (cache.k [L, P, page_size, 1, W], one key shared by every head) -> [T, H, value_dim].
+    The value is the key's first value_dim entries (the latent), so each backend runs as
+    multi-query attention with the latent passed as both keys and values and the output's
+    first value_dim columns kept: the cache is read once, as every kernel reads K and V
+    rows of one token together."""
+    k_scale = getattr(cache, "k_scale", None)
+    args = (q, cache.k, cache.k, layer, batch.positions, batch.req_indices, batch.page_table,
+            jax.numpy.int32(0), scale, k_scale, k_scale)
+    if backend == "reference":
+        out = ragged_paged_attention_reference(*args)
+    elif backend == "blocked":
+        out = ragged_paged_attention_blocked(*args)
+    elif backend == "cpu":
+        out = ragged_paged_attention_cpu(*args)
+    elif backend == "pallas":
+        out = ragged_paged_attention(*args, interpret=pallas_interpret())
+    elif backend == "pallas_pages":
+        out = ragged_paged_attention_pages(*args, interpret=pallas_interpret())
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of "
+                         f"{', '.join(BACKENDS)}")
+    return out[..., :value_dim]

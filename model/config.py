@@ -24,19 +24,32 @@ class MoeFamily:
     # picked first and softmaxed among themselves, and the gate is a clamped SwiGLU.
     biases: bool = False
     topk_then_softmax: bool = False
+    # DeepSeek's routers (and GLM-4.5's): a shared expert of moe_intermediate_size *
+    # n_shared_experts with no gate, the first first_k_dense_replace layers dense, and
+    # "v2": softmax scores, topk_method greedy or group_limited_greedy (groups scored by
+    # their best expert), never renormalized; "v3" ("noaux_tc"): sigmoid scores, a bias
+    # added for the choice alone, groups scored by their two best, norm_topk_prob read.
+    # Both times routed_scaling_factor.
+    deepseek_router: str = ""
 
 
 @dataclass(frozen=True)
 class Family:
     qkv_bias: bool = False  # q/k/v carry biases (config.json's `qkv_bias` may say otherwise)
     # "head": RMSNorm of each head of q and k (Qwen3); "full": of the whole q and k
-    # projections before the head reshape (OLMoE).
+    # projections before the head reshape (OLMoE); "config": per head where config.json's
+    # use_qk_norm says so (GLM-4.5).
     qk_norm: str = ""
+    o_bias: bool = True  # o_proj carries a bias where attention_bias says so
     moe: MoeFamily | None = None
     # Gemma: norms scale by (1 + w) in float32, every block's output is normed too before the
     # residual add ("sandwich"), and the embeddings are multiplied by sqrt(hidden_size).
     gemma: bool = False
     sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
+    # DeepSeek-V2/V3: multi-head latent attention (model/latent_attention.py); V2's rope
+    # dims are always interleaved, V3's where config.json's rope_interleave says so.
+    latent: bool = False
+    rope_interleaved: bool = False
     # The family's config class defaults for fields a config.json may leave out.
     defaults: tuple[tuple[str, object], ...] = ()
 
@@ -65,6 +78,30 @@ FAMILIES = {
         defaults=(("attention_bias", True), ("sliding_window", 128), ("rms_norm_eps", 1e-5),
                   ("num_experts_per_tok", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
                   ("rope_theta", 150000.0), ("max_position_embeddings", 131072))),
+    "DeepseekV2ForCausalLM": Family(latent=True, rope_interleaved=True, moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
+        shared_expert=True, sparse_layers=False, deepseek_router="v2"),
+        defaults=(("n_shared_experts", 2), ("first_k_dense_replace", 0),
+                  ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
+                  ("kv_lora_rank", 512), ("q_lora_rank", 1536), ("topk_method", "greedy"),
+                  ("routed_scaling_factor", 1.0), ("scoring_func", "softmax"))),
+    "DeepseekV3ForCausalLM": Family(latent=True, moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
+        shared_expert=True, sparse_layers=False, deepseek_router="v3"),
+        defaults=(("n_shared_experts", 1), ("first_k_dense_replace", 3),
+                  ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
+                  ("kv_lora_rank", 512), ("q_lora_rank", 1536), ("norm_topk_prob", True),
+                  ("rope_interleave", True), ("n_group", 8), ("topk_group", 4),
+                  ("routed_scaling_factor", 2.5), ("scoring_func", "sigmoid"),
+                  ("topk_method", "noaux_tc"))),
+    "Glm4MoeForCausalLM": Family(o_bias=False, qk_norm="config", moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
+        shared_expert=True, sparse_layers=False, deepseek_router="v3"),
+        defaults=(("n_shared_experts", 1), ("first_k_dense_replace", 1),
+                  ("norm_topk_prob", True), ("n_group", 1), ("topk_group", 1),
+                  ("routed_scaling_factor", 1.0), ("scoring_func", "sigmoid"),
+                  ("topk_method", "noaux_tc"), ("partial_rotary_factor", 0.5),
+                  ("rms_norm_eps", 1e-5))),
     "Gemma2ForCausalLM": Family(gemma=True, defaults=(
         ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
         ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
@@ -124,6 +161,17 @@ class ModelConfig:
     attn_soft_cap: float = 0.0  # scores capped as cap * tanh(s / cap); 0: not capped
     final_soft_cap: float = 0.0  # the same for the logits
     attn_sinks: bool = False  # a learned sink logit per query head, every layer (gpt-oss)
+    # RoPE rotates the first rotary_dim dims of each head (partial_rotary_factor); 0: all.
+    rotary_dim: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; model/latent_attention.py), on when
+    # kv_lora_rank > 0: head_dim is then the shared rope key's width (qk_rope_head_dim) and
+    # the cache holds one latent of kv_lora_rank + head_dim values a token and layer.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: one q_proj (V2-Lite)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = False  # rope dims stored in pairs; permuted to halves at load
+    num_mtp_layers: int = 0  # next-token prediction layers stored after the main ones
     dtype: str = "float32"
     # Mixture of experts (num_experts 0: none). A layer of `moe_layers` sends each token to
     # num_experts_per_tok of the experts; the others keep the dense MLP of intermediate_size.
@@ -145,6 +193,25 @@ class ModelConfig:
     # 0: SiLU(gate) * up.
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
+    # DeepSeek's routing (MoeFamily.deepseek_router): sigmoid scores (else softmax), a
+    # learned bias on them for the choice alone, experts in router_groups groups of which
+    # the router_topk_groups best are kept (scored by their two best experts where
+    # router_group_top2, else their best), the weights times routed_scaling_factor.
+    router_sigmoid: bool = False
+    router_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_top2: bool = False
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_width(self) -> int:
+        """A latent cache entry: kv_lora_rank normed values, then the rope key."""
+        return self.kv_lora_rank + self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -193,10 +260,18 @@ class ModelConfig:
         if arch not in FAMILIES:
             raise ConfigError(f"unsupported architecture {arch!r}; supported: "
                               + ", ".join(FAMILIES))
+        from model.moe_config import moe_fields
         family = FAMILIES[arch]
         hf = {**dict(family.defaults), **hf}
+        if hf.get("index_topk") is not None:
+            raise ConfigError(f"unsupported config: index_topk={hf['index_topk']!r} "
+                              "(DeepSeek-V3.2's sparse-attention indexer is not served)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        latent = _latent_fields(hf, family) if family.latent else {}
+        if latent:
+            head_dim = latent.pop("head_dim")
+            hf = {**hf, "query_pre_attn_scalar": latent.pop("query_scale") ** -2}
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))
         # transformers 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
@@ -215,7 +290,7 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_kv_heads=1 if latent else hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
@@ -223,9 +298,10 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("qkv_bias", family.qkv_bias)) or attention_bias,
-            o_bias=attention_bias,
+            o_bias=attention_bias and family.o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=family.qk_norm == "head",
+            qk_norm=family.qk_norm == "head" or (family.qk_norm == "config"
+                                                  and bool(hf.get("use_qk_norm"))),
             qk_norm_full=family.qk_norm == "full",
             clip_qkv=float(hf.get("clip_qkv") or 0.0),
             sliding_windows=windows,
@@ -239,7 +315,10 @@ class ModelConfig:
             attn_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
             attn_sinks=family.sinks,
             final_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
-            **(_moe_fields(hf, family.moe, num_layers) if family.moe else {}),
+            rotary_dim=_rotary_dim(hf, rope, head_dim),
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+            **latent,
+            **(moe_fields(hf, family.moe, num_layers) if family.moe else {}),
         )
         return cfg.with_dtype(dtype or _hf_dtype(hf))
 
@@ -261,6 +340,35 @@ class ModelConfig:
         d["sliding_windows"] = tuple(d.get("sliding_windows", ()))
         d["moe_layers"] = tuple(d.get("moe_layers", ()))
         return cls(**d)
+
+
+def _rotary_dim(hf: dict, rope: dict, head_dim: int) -> int:
+    """partial_rotary_factor (in rope_parameters or at the top) -> the dims RoPE turns."""
+    factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if not 0 < factor <= 1:
+        raise ConfigError(f"unsupported partial_rotary_factor={factor!r}")
+    dim = int(head_dim * factor)
+    if dim % 2:
+        raise ConfigError(f"partial_rotary_factor={factor} rotates an odd {dim} dims")
+    return 0 if dim == head_dim else dim
+
+
+def _latent_fields(hf: dict, family: Family) -> dict:
+    """DeepSeek's latent attention: the sizes, and the softmax scale over the nope and rope
+    dims with YaRN's mscale_all_dim folded in twice, as transformers' yarn_apply_mscale."""
+    import math
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    nope, rot = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    scale = (nope + rot) ** -0.5
+    all_dim = float(rope.get("mscale_all_dim") or 0.0)
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and all_dim:
+        factor = float(rope["factor"])
+        m = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale *= m * m
+    return dict(head_dim=rot, kv_lora_rank=int(hf["kv_lora_rank"]),
+                q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
+                v_head_dim=int(hf["v_head_dim"]), query_scale=scale,
+                rope_interleaved=family.rope_interleaved or bool(hf.get("rope_interleave")))
 
 
 def _hf_dtype(hf: dict) -> str:
@@ -296,65 +404,3 @@ def _activation(hf: dict) -> str:
         raise ConfigError(f"unsupported activation: {field}={name!r} (supported: "
                           + ", ".join(ACTIVATIONS) + ")")
     return ACTIVATIONS[name]
-
-
-# config.json fields of mixtures of experts that change what the model computes and that we do
-# not implement (DeepSeek's grouped or sigmoid routing, other activations...), each with the
-# values that mean "off". Training-only fields (router_aux_loss_coef, router_jitter_noise,
-# output_router_logits) change nothing here.
-MOE_UNSUPPORTED = {
-    "hidden_act": (None, "silu"),
-    "scoring_func": (None, "softmax"),
-    "topk_method": (None, "greedy"),
-    "n_group": (None, 0, 1),
-    "topk_group": (None, 0, 1),
-    "routed_scaling_factor": (None, 1.0),
-    "n_shared_experts": (None, 0),
-    "first_k_dense_replace": (None, 0),
-    "moe_layer_freq": (None, 1),
-}
-
-
-def _moe_fields(hf: dict, family: MoeFamily, num_layers: int) -> dict:
-    for field, off in MOE_UNSUPPORTED.items():
-        if hf.get(field) not in off:
-            supported = ", ".join(repr(v) for v in off if v is not None)
-            raise ConfigError(f"unsupported mixture-of-experts config: {field}="
-                              f"{hf[field]!r} (supported: {supported}, or no {field})")
-    experts = _num_experts(hf)
-    k = int(hf.get("num_experts_per_tok") or 0)
-    if experts and not 0 < k <= experts:
-        raise ConfigError(f"num_experts_per_tok={k} with {experts} experts")
-    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family.shared_expert else 0
-    if family.shared_expert and experts and not shared:
-        raise ConfigError("unsupported mixture-of-experts config: "
-                          "shared_expert_intermediate_size=0")
-    clamped = family.topk_then_softmax  # gpt-oss's gate
-    return dict(swiglu_limit=float(hf["swiglu_limit"]) if clamped else 0.0,
-                swiglu_alpha=float(hf["swiglu_alpha"]) if clamped else 0.0,
-                num_experts=experts, num_experts_per_tok=k if experts else 0,
-                moe_intermediate_size=int(hf[family.expert_size_field]),
-                shared_expert_intermediate_size=shared,
-                norm_topk_prob=family.always_renormalize or bool(hf.get("norm_topk_prob")),
-                moe_layers=_moe_layers(hf, family, num_layers, experts))
-
-
-def _num_experts(hf: dict) -> int:
-    """transformers reads either name in every family (its configs' attribute_map)."""
-    found = {int(hf[f]) for f in ("num_experts", "num_local_experts") if hf.get(f) is not None}
-    if len(found) > 1:
-        raise ConfigError(f"num_experts and num_local_experts disagree: {sorted(found)}")
-    return found.pop() if found else 0
-
-
-def _moe_layers(hf: dict, family: MoeFamily, num_layers: int, experts: int):
-    """Qwen's rule: layer i routes iff it is not in mlp_only_layers and (i + 1) is a multiple
-    of decoder_sparse_step; the other families route in every layer."""
-    if not family.sparse_layers:
-        return (experts > 0,) * num_layers
-    step = hf.get("decoder_sparse_step", 1)
-    if not isinstance(step, int) or step < 1:
-        raise ConfigError(f"unsupported mixture-of-experts config: decoder_sparse_step={step!r}")
-    dense = set(hf.get("mlp_only_layers") or ())
-    return tuple(experts > 0 and i not in dense and (i + 1) % step == 0
-                 for i in range(num_layers))

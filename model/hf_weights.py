@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
+from model import latent_weights
 from model.config import ModelConfig
 from model.transformer import abstract_params
 
@@ -61,6 +62,8 @@ HF_TABLE = [
     (_LAYER + r"mlp\.router\.bias", (*_MOE, "router", "bias"), False),
     (_LAYER + r"mlp\.experts\.down_proj", (*_MOE, "down_proj", "kernel"), False),
     (_LAYER + r"mlp\.experts\.down_proj_bias", (*_MOE, "down_proj", "bias"), False),
+    # DeepSeek's latent attention, expert bias and shared experts
+    *latent_weights.TABLE,
 ]
 # gpt-oss's gate and up projections interleaved on the last axis (gate first): tensor ->
 # (gate's path, up's path).
@@ -165,7 +168,9 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
     hf_dir = Path(hf_dir)
     abstract = abstract_params(cfg)
     dtype = np_dtype(cfg.dtype)
-    params = jax.tree.map(lambda a: np.empty(a.shape, dtype), abstract)
+    # each weight in its declared dtype: the model's, or float32 where a family keeps one so
+    # (DeepSeek's router)
+    params = jax.tree.map(lambda a: np.empty(a.shape, np_dtype(str(a.dtype))), abstract)
     wanted, filled = set(_expected(abstract, cfg)), set()
     files = safetensors_files(hf_dir)
     names = [(f, n) for f in files for n in _keys(f)]
@@ -181,6 +186,14 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
         packed = mxfp4 and name.endswith(MXFP4_BLOCKS)
         if packed:
             name = name[:-len(MXFP4_BLOCKS)]
+        if latent_weights.is_mtp_layer(name, cfg):
+            continue  # next-token prediction layers: not the main model's
+        kv_b = latent_weights.split_kv_b(name, read(name), cfg) if cfg.latent else None
+        if kv_b is not None:
+            for path, part, transpose in kv_b[1]:
+                _store(params, path, kv_b[0], None, part, dtype, name, cfg, transpose)
+                filled.update(_filled(path, kv_b[0], None, cfg))
+            continue
         split = _locate_interleaved(name)
         target = _locate(name)
         if target is None and split is None:
@@ -190,6 +203,7 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
         if target is not None and target[0][0] == "lm_head" and cfg.tie_word_embeddings:
             continue  # a tied checkpoint may still store the (identical) head
         value = _read_mxfp4(name, where, read) if packed else read(name)
+        value = latent_weights.deinterleave_rope(name, value, cfg)
         if split is None:
             path, layer, expert, transpose = target
             parts = [(path, value.T if transpose else value, transpose)]
@@ -244,7 +258,7 @@ def _store(params, path, layer, expert, value, dtype, name: str, cfg: ModelConfi
     if value.shape != want:
         raise WeightsError(f"tensor {name!r} has shape {tuple(value.shape)}, expected "
                            f"{tuple(want)}" + (" (transposed)" if transpose else ""))
-    dest[index] = value.astype(dtype)
+    dest[index] = value.astype(dest.dtype)
 
 
 def _filled(path, layer, expert, cfg: ModelConfig):

@@ -2,6 +2,11 @@
 
 K and V may be stored as int8 or float8_e4m3fn (`kv_cache_dtype`), each (token, kv head)
 vector with its own float32 absmax scale in `k_scale` / `v_scale`: real value = stored * scale.
+
+A latent-attention model (DeepSeek; model/latent_attention.py) stores one latent a token and
+layer in `k` ([L, P, page_size, 1, kv_lora_rank + rope dims], with one scale a token when
+quantized: the key and its value, the latent's first part, share it); `v` and `v_scale` are
+then empty ([..., 0]), so every step and transfer handles the cache as it handles any other.
 """
 from __future__ import annotations
 
@@ -53,6 +58,8 @@ class KVCache:
     def shape(cfg: ModelConfig, num_pages: int, page_size: int,
               num_layers: int | None = None) -> tuple[int, ...]:
         layers = cfg.num_layers if num_layers is None else num_layers
+        if cfg.latent:
+            return (layers, num_pages, page_size, 1, cfg.latent_width)
         return (layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
     @classmethod
@@ -72,6 +79,13 @@ class KVCache:
                num_layers: int) -> "KVCache":
         shape = cls.shape(cfg, num_pages, page_size, num_layers)
         dtype, quantized = kv_storage_dtype(cfg, dtype)
+        if cfg.latent:
+            empty = shape[:-1] + (0,)
+            if not quantized:
+                return cls(jnp.zeros(shape, dtype), jnp.zeros(empty, dtype))
+            return cls(jnp.zeros(shape, dtype), jnp.zeros(empty, dtype),
+                       jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(empty[:-1] + (0,),
+                                                                      jnp.float32))
         if not quantized:
             return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
@@ -85,6 +99,8 @@ def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None,
     dtype, quantized = kv_storage_dtype(cfg, dtype)
     scale_bytes = cfg.num_kv_heads * 4 if quantized else 0
     layers = cfg.num_layers if num_layers is None else num_layers
+    if cfg.latent:  # one latent (and one scale) a token and layer
+        return layers * page_size * (cfg.latent_width * dtype.itemsize + scale_bytes)
     return 2 * layers * page_size * (cfg.kv_size * dtype.itemsize + scale_bytes)
 
 
@@ -109,3 +125,15 @@ def _write_quantized(cache: KVCache, layer, pages, offsets, k, v) -> KVCache:
     return KVCache(cache.k.at[at].set(kq.values), cache.v.at[at].set(vq.values),
                    cache.k_scale.at[at].set(kq.scale[..., 0]),
                    cache.v_scale.at[at].set(vq.scale[..., 0]))
+
+
+def write_latent(cache: KVCache, layer, latent, slot_mapping) -> KVCache:
+    """A latent-attention step's latents [T, 1, W] into their slots (padding -> sink page);
+    quantized with one absmax scale a token, which the rope key shares with the latent."""
+    pages, offsets = slot_mapping // cache.page_size, slot_mapping % cache.page_size
+    at = (layer, pages, offsets)
+    if cache.k_scale is None:
+        return replace(cache, k=cache.k.at[at].set(latent.astype(cache.k.dtype)))
+    q = quantize(latent, cache.k.dtype, axes=(-1,))
+    return replace(cache, k=cache.k.at[at].set(q.values),
+                   k_scale=cache.k_scale.at[at].set(q.scale[..., 0]))

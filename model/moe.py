@@ -4,7 +4,9 @@ on exactly the tokens sent to it (dropless), in shapes fixed by the step's token
 Routing is transformers' for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: router logits, a
 softmax over every expert in float32, the k largest, divided by their sum where the model
 renormalizes (`ModelConfig.norm_topk_prob`), each weight multiplying its expert's output
-(in float32 or in the activations' dtype: `MoeFamily.float32_weights`). gpt-oss picks the k
+(in float32 or in the activations' dtype: `MoeFamily.float32_weights`). DeepSeek-V2/V3 and
+GLM-4.5 route by the same function with their rules as data (`route`'s keywords: sigmoid
+scores, a choice-only bias, expert groups, a scaling factor) and add ungated shared experts. gpt-oss picks the k
 largest logits of a router with a bias and softmaxes those k in the activations' dtype; its
 experts carry biases and gate with a clamped SwiGLU.
 
@@ -61,18 +63,49 @@ def _sum_columns(x):
     return reduce(add, [x[:, j] for j in range(x.shape[1])])
 
 
-def route(logits, k: int, renormalize: bool):
-    """logits [T, E] -> (weights float32[T, k], experts int32[T, k]): each token's k most
-    probable experts, most probable first. Softmax in float32 as transformers computes it,
-    its sums in a fixed order so a token's weights (and, at a near tie, its experts) do not
-    move with its batch (docs/architecture.md, "Batch invariance")."""
+def route(logits, k: int, renormalize: bool, *, sigmoid: bool = False, bias=None,
+          groups: int = 1, topk_groups: int = 1, group_top2: bool = False,
+          scale: float = 1.0):
+    """logits [T, E] -> (weights float32[T, k], experts int32[T, k]): each token's k best
+    experts. Scores are a softmax in float32 as transformers computes it (its sums in a
+    fixed order, so a token's weights and, at a near tie, its experts do not move with its
+    batch: docs/architecture.md, "Batch invariance"), or, DeepSeek-V3's, sigmoids.
+
+    DeepSeek's rules (ModelConfig's router fields): `bias` float32[E] is added to the
+    scores for choosing alone; with `groups` > 1 the experts fall in equal groups, each
+    scored by its best expert's score (or, `group_top2`, its two best's sum), and only the
+    `topk_groups` best groups' experts may be chosen. The weights are the chosen experts'
+    unbiased scores, divided by their sum where `renormalize`, times `scale`."""
     logits = logits.astype(jnp.float32)
-    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    probs = e / _sum_columns(e)[:, None]
-    weights, experts = jax.lax.top_k(probs, k)
+    if sigmoid:
+        scores = jax.nn.sigmoid(logits)
+    else:
+        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        scores = e / _sum_columns(e)[:, None]
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if groups > 1:
+        choice = _best_groups(choice, groups, topk_groups, group_top2)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
     if renormalize:
-        weights = weights / _sum_columns(weights)[:, None]
+        weights = weights / (_sum_columns(weights)[:, None] + (1e-20 if sigmoid else 0.0))
+    if scale != 1.0:
+        weights = weights * jnp.float32(scale)
     return weights, experts.astype(jnp.int32)
+
+
+def _best_groups(choice, groups: int, keep: int, top2: bool):
+    """choice [T, E] with every expert outside its token's `keep` best groups at -inf."""
+    T, E = choice.shape
+    grouped = choice.reshape(T, groups, E // groups)
+    if top2:
+        best = jax.lax.top_k(grouped, 2)[0]
+        score = best[..., 0] + best[..., 1]
+    else:
+        score = jnp.max(grouped, axis=-1)
+    _, kept = jax.lax.top_k(score, keep)  # [T, keep]
+    mask = jnp.any(kept[:, :, None] == jnp.arange(groups)[None, None, :], axis=1)
+    return jnp.where(jnp.repeat(mask, E // groups, axis=1), choice, -jnp.inf)
 
 
 def route_topk_softmax(logits, k: int):
@@ -175,10 +208,13 @@ class MoE(nn.Module):
         expert's output, when `shared`), summed in slot order."""
         cfg = self.cfg
         T, k, family = x.shape[0], cfg.num_experts_per_tok, cfg.moe_family
-        logits = Linear(cfg.num_experts, family.biases, cfg.dtype, name="router")(x)
         if family.topk_then_softmax:
+            logits = Linear(cfg.num_experts, family.biases, cfg.dtype, name="router")(x)
             weights, experts = route_topk_softmax(logits, k)
+        elif family.deepseek_router:
+            weights, experts = self._deepseek_route(x)
         else:
+            logits = Linear(cfg.num_experts, family.biases, cfg.dtype, name="router")(x)
             weights, experts = route(logits, k, cfg.norm_topk_prob)
         local = cfg.local_experts
         if local < cfg.num_experts:  # expert parallel: this shard's experts alone
@@ -196,8 +232,23 @@ class MoE(nn.Module):
             terms.append(self._shared(x))
         return sum_in_order(terms)
 
+    def _deepseek_route(self, x):
+        """The router in float32, its weight and bias kept in float32 as transformers keeps
+        them (a bfloat16 score can flip a choice that the bias decides)."""
+        cfg = self.cfg
+        logits = Linear(cfg.num_experts, False, "float32", name="router")(
+            x.astype(jnp.float32))
+        bias = (self.param("router_bias", nn.initializers.normal(0.02), (cfg.num_experts,),
+                           jnp.float32) if cfg.router_bias else None)
+        return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                     sigmoid=cfg.router_sigmoid, bias=bias, groups=cfg.router_groups,
+                     topk_groups=cfg.router_topk_groups, group_top2=cfg.router_group_top2,
+                     scale=cfg.routed_scaling_factor)
+
     def _shared(self, x):
         cfg = self.cfg
         shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
+        if cfg.moe_family.deepseek_router:  # DeepSeek's shared experts: added as they are
+            return shared
         gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)
         return nn.sigmoid(gate) * shared

@@ -17,8 +17,9 @@ def _local(cfg: ModelConfig, layer: int) -> bool:
 
 def rope_inv_freq(cfg: ModelConfig, layer: int = 0) -> np.ndarray:
     """float32[D/2] inverse frequencies of `layer`, scaled as config.json says (Gemma 3's
-    window layers have a base of their own and no scaling)."""
-    dim = cfg.head_dim
+    window layers have a base of their own and no scaling). A partial rotary model turns
+    only its first `rotary_dim` dims."""
+    dim = cfg.rotary_dim or cfg.head_dim
     theta = cfg.local_rope_theta if _local(cfg, layer) else cfg.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     rs = {} if _local(cfg, layer) else cfg.rope_scaling_dict
@@ -87,7 +88,12 @@ def _rotate_unfused(x, cos, rotated, sin):
 def apply_rope(x, positions, inv_freq, factor: float = 1.0):
     """x: [T, N, D] rotated by position (the rotate-half layout of transformers), cos and
     sin times `factor` (rope_attention_factor). On CPUs without the FMA contraction XLA
-    chooses per fusion; elsewhere as XLA fuses it."""
+    chooses per fusion; elsewhere as XLA fuses it. With fewer frequencies than half of D
+    (a partial rotary model) the first 2 * len(inv_freq) dims turn and the rest pass."""
+    turned = 2 * len(inv_freq)
+    if turned < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :turned], positions, inv_freq, factor),
+                                x[..., turned:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb), jnp.sin(emb)

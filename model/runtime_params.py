@@ -16,7 +16,7 @@ HF projection. Run: `prepare_params` gives
   registers. Float weights (and a float tied table, as
   `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch;
   a mixture of experts' stacked expert kernels for the grouped kernels
-  (quant/packed_experts.py).
+  (quant/packed_experts.py), and latent attention's per-head projections one kernel a head.
 
 `forward` accepts either form (it prepares a stored tree itself, slowly, inside the program).
 """
@@ -62,6 +62,8 @@ def prepare_params(params, pack: bool | None = None, free_stacked: bool = False)
     if not isinstance(layers, list):
         layers = _unstacked(layers, free_stacked)
     per_layer = tuple(_join_projections(layer, exact=pack) for layer in layers)
+    if pack:
+        per_layer = tuple(_heads_apart(layer) for layer in per_layer)
     del layers
     params = {**params, "layers": per_layer}
     return _pack(params) if pack else params
@@ -144,6 +146,20 @@ def _join_projections(layer: dict, exact: bool) -> dict:
         sub[joined] = entry
         layer = _replaced(layer, module, sub)
     return layer
+
+
+def _heads_apart(layer: dict) -> dict:
+    """Latent attention's absorbed projections ([H, a, b] each) as H kernels of their own,
+    for the dense kernel whose rows do not depend on their batch
+    (model/latent_attention.py, per_head_matmul)."""
+    attn = layer.get("attn")
+    if not isinstance(attn, dict) or "k_up" not in attn:
+        return layer
+    attn = dict(attn)
+    for name in ("k_up", "v_up"):
+        w = attn[name]
+        attn[name] = tuple({"kernel": w[h]} for h in range(w.shape[0]))
+    return {**layer, "attn": attn}
 
 
 def _module(tree: dict, path: tuple):

@@ -1,6 +1,6 @@
 """The decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3
-families and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss), in
-Flax.
+families and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
+GLM-4.5, and DeepSeek-V2/V3 with latent attention: model/latent_attention.py), in Flax.
 
 `forward(params, cache, batch, cfg)` is a pure function: it returns the logits of the tokens
 named by `batch.logits_indices` and the cache with this step's keys and values written in.
@@ -19,6 +19,7 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
 from model.kv_groups import kv_layers, layer_windows
+from model.latent_attention import LatentAttention
 from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
@@ -78,7 +79,8 @@ class DecoderLayer(nn.Module):
                  kv_layer: int | None = None):
         cfg = self.cfg
         h = norm(cfg, "input_norm")(x)
-        attn = Attention(cfg, self.backend, self.axis, name="attn")
+        kind = LatentAttention if cfg.latent else Attention
+        attn = kind(cfg, self.backend, self.axis, name="attn")
         h, cache = attn(h, cache, layer, window, batch, layer if kv_layer is None else kv_layer)
         if cfg.sandwich_norms:
             # Gemma: config.json's post_attention_layernorm norms the attention's output, a
