@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 
 from model.config import ATTENTION_BACKENDS
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu_ffi, latent_attention_pallas
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_blocked import ragged_paged_attention_blocked
 from pallas_kernels.ragged_paged_attention_cpu import ragged_paged_attention_cpu
@@ -82,11 +82,17 @@ def latent_paged_attention(q, cache, layer, batch, scale: float, backend: str = 
                            value_dim: int):
     """Latent attention (model/latent_attention.py): q [T, H, W] against the latent cache
     (cache.k [L, P, page_size, 1, W], one key shared by every head) -> [T, H, value_dim].
-    The value is the key's first value_dim entries (the latent), so each backend runs as
-    multi-query attention with the latent passed as both keys and values and the output's
-    first value_dim columns kept: the cache is read once, as every kernel reads K and V
-    rows of one token together."""
+    The value is the key's first value_dim entries (the latent). On GPUs the Pallas backends
+    take the latent kernel (pallas_kernels/latent_attention_pallas.py: each latent row read
+    once for a block of heads, in two power-of-two parts). The others run as multi-query
+    attention with the latent passed as both keys and values and the output's first
+    value_dim columns kept: the cache is read once, as those kernels read K and V rows of
+    one token together."""
     k_scale = getattr(cache, "k_scale", None)
+    if backend in ("pallas", "pallas_pages"):
+        return latent_attention_pallas.latent_paged_attention(
+            q, cache.k, layer, batch.positions, batch.req_indices, batch.page_table, scale,
+            k_scale, value_dim=value_dim, interpret=pallas_interpret())
     args = (q, cache.k, cache.k, layer, batch.positions, batch.req_indices, batch.page_table,
             jax.numpy.int32(0), scale, k_scale, k_scale)
     if backend == "reference":
@@ -95,10 +101,6 @@ def latent_paged_attention(q, cache, layer, batch, scale: float, backend: str = 
         out = ragged_paged_attention_blocked(*args)
     elif backend == "cpu":
         out = ragged_paged_attention_cpu(*args)
-    elif backend == "pallas":
-        out = ragged_paged_attention(*args, interpret=pallas_interpret())
-    elif backend == "pallas_pages":
-        out = ragged_paged_attention_pages(*args, interpret=pallas_interpret())
     else:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of "
                          f"{', '.join(BACKENDS)}")

@@ -63,7 +63,7 @@ class PhaseClock:
         self.last_arrays = None
         self._full = False
         self._timed(engine.scheduler, "schedule", "schedule", self._after_schedule)
-        self._timed(engine, "_prepare", "prep")
+        self._timed(engine, "prepare_step", "prep")
         self._timed(engine.runner, "dispatch", "dispatch", self._keep_arrays)
         self._timed(engine.outputs, "emit", "outputs")
         self._timed(engine.runner, "fetch", "fetch wait")

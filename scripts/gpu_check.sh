@@ -10,6 +10,11 @@
 #                            goal cases, then a window at 4x its context, gpt-oss's sinks
 #                            with and without its window, Gemma 2's soft-cap), then a tile
 #                            sweep (--tune) in what is left
+#   mla-decode         30 s  DeepSeek-V3's MLA kernel over latent pages (latent_attention_pallas):
+#                            natively against its reference (bf16, int8 and fp8 rows), then
+#                            decode latent GB/s vs copy bandwidth at H=16/128, batch 1/32/128,
+#                            context 1k/8k, as many as fit (scripts/bench_mla_decode.py). Its
+#                            30 s come out of what moe-grouped, last, is left
 #   engine-8b-cold    100 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
 #                            (the plan, peak memory), cold warm-up, decode tok/s at batch
 #                            1/64/256 over steps where the whole batch decodes, and per
@@ -98,13 +103,13 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   SHAPE=(--tiny) BATCHES=1,4 KERNEL_ARGS=(--quick) HLO_ARGS=(--k 256 --n 512 --m 1,4 --iters 3)
   KERNEL_TESTS=(tests/test_kernels.py -k "page_block_tiles or block_sizes")
   SERVE_SHAPE=tiny NATIVE=0  # the kernel tests in the interpreter
-  MOE_ARGS=(--smoke)
+  MOE_ARGS=(--smoke) MLA_ARGS=(--smoke)
 else
   SHAPE=() BATCHES=1,64,256 KERNEL_ARGS=(--cases 9 --no-reference --tune) HLO_ARGS=(--k 4096 --n 14336 --m 1,64)
   KERNEL_TESTS=(tests/test_kernels.py tests/test_attention_variants.py
                 -k "pallas or page_block or kernel_matches")
   SERVE_SHAPE=8b NATIVE=1
-  MOE_ARGS=()
+  MOE_ARGS=() MLA_ARGS=()
 fi
 
 XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
@@ -113,6 +118,9 @@ grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$LOGDIR/kernel-tests.log" | 
   >> "$TABLE" || true
 
 run bench-kernels 40 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 33 \
+  --out "$TABLE"
+
+run mla-decode 30 "$PY" scripts/bench_mla_decode.py "${MLA_ARGS[@]}" --max-seconds 25 \
   --out "$TABLE"
 
 DECODE=("$PY" scripts/bench_decode.py "${SHAPE[@]}" --default-sizing --prompt-len 128

@@ -131,7 +131,7 @@ def test_router_matches_transformers(kind):
     np.testing.assert_allclose(np.take_along_axis(np.asarray(w), mine, 1), want_w, rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["reference", "blocked", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "blocked", "cpu", "pallas"])
 def test_absorbed_attention_equals_expanded(backend):
     """One sequence of 11 tokens in a 4-token chunk after 7 cached: the absorbed form over
     the latent pages (each backend) against every latent expanded into per-head keys and
