@@ -9,7 +9,6 @@ it never writes fails the test in both modes.
 from __future__ import annotations
 
 import os
-import warnings
 import zlib
 
 import jax
@@ -22,6 +21,7 @@ from pallas_kernels.latent_attention_pallas import (latent_block_sizes_for,
                                                     latent_paged_attention,
                                                     latent_paged_attention_reference)
 from pallas_kernels.testing import random_case
+from tests.test_kernel_lowering import DEVICE, lower_for_cuda
 
 NATIVE = os.environ.get("XLASERVE_KERNELS_NATIVE") == "1"
 INTERPRET = not NATIVE
@@ -187,17 +187,8 @@ def test_bad_arguments_are_refused():
 # --- CUDA lowering on a CPU host at DeepSeek-V3's per-rank shapes ------------------------------
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-DEVICE = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 SDS = jax.ShapeDtypeStruct
 V3_R, V3_DR = 512, 64
-
-
-def lower_for_cuda(fn, *args):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
-                                                                      abstract_device=DEVICE)):
-            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 # (heads, page size, tokens, requests, pages per request, cache dtype): decode at batch 1 / 32
