@@ -82,6 +82,9 @@ def start_lora(ec, runner, task: str) -> LoRAManager:
     if ec.num_processes > 1:
         raise ValueError("--enable-lora is not served over several processes yet (one "
                          "process, tensor parallel or not, serves adapters)")
+    if runner.cfg.latent:
+        raise ValueError(f"--enable-lora is not served for {runner.cfg.architecture}: "
+                         "adapters of latent attention's projections are not supported")
     config = LoRAConfig(ec.max_loras, ec.max_lora_rank, ec.max_cpu_loras)
     runner.enable_lora(config)
     return LoRAManager(config, runner.lora.available, runner.lora.write)
