@@ -121,6 +121,9 @@ KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 # model/attention.py's backends ("auto" picks one for the device): named here, without JAX,
 # for the CLI's choices.
 ATTENTION_BACKENDS = ("reference", "blocked", "cpu", "pallas", "pallas_pages")
+# quant/ops.py grouped_matmul's backends for a mixture of experts' matmuls (--moe-backend):
+# "auto" is our Pallas kernel where the program is for CUDA, ragged_dot elsewhere.
+MOE_BACKENDS = ("auto", "ragged_dot", "pallas")
 
 
 class ConfigError(ValueError):
@@ -189,6 +192,8 @@ class ModelConfig:
     # this device's experts on them and scatters the sums back. None: tokens are the same on
     # every device (one device, or tensor parallel).
     moe_token_axis: str | None = None
+    # The experts' grouped matmul (--moe-backend; MOE_BACKENDS, quant/ops.py grouped_matmul).
+    moe_backend: str = "auto"
     # gpt-oss's expert gate: min(gate, limit) * sigmoid(alpha * that) * (clip(up, +-limit) + 1);
     # 0: SiLU(gate) * up.
     swiglu_limit: float = 0.0

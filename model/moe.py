@@ -11,9 +11,10 @@ largest logits of a router with a bias and softmaxes those k in the activations'
 experts carry biases and gate with a clamped SwiGLU.
 
 The experts' matmuls: the step's (token, slot) pairs sorted by expert, their rows gathered,
-and one grouped matmul per projection over the sorted rows (quant/ops.grouped_matmul), so
-which experts the tokens pick never changes a shape. The outputs go back to (token, slot)
-order by the inverse permutation, a gather.
+and one grouped matmul per projection over the sorted rows (quant/ops.grouped_matmul: on
+CPUs our packed C++ kernels, on NVIDIA GPUs our Pallas kernel, `cfg.moe_backend` to
+override), so which experts the tokens pick never changes a shape. The outputs go back to
+(token, slot) order by the inverse permutation, a gather.
 
 Tensor parallel (model/sharding.py): each expert's matmuls split like the dense MLP's, or,
 expert parallel, each device holds whole experts and computes only their (token, slot)
@@ -40,6 +41,7 @@ class ExpertLinear(nn.Module):
     num_experts: int
     param_dtype: str = "float32"
     use_bias: bool = False
+    backend: str = "auto"  # quant/ops.py grouped_matmul's
 
     @nn.compact
     def __call__(self, rows, group_sizes, row_experts=None):
@@ -47,7 +49,7 @@ class ExpertLinear(nn.Module):
         int32[M]: each row's expert, E for rows no expert here computes (they stay 0)."""
         w = self.param("kernel", init, (self.num_experts, rows.shape[-1], self.features),
                        self.param_dtype)
-        y = quant_ops.grouped_matmul(rows, w, group_sizes)
+        y = quant_ops.grouped_matmul(rows, w, group_sizes, self.backend)
         if self.use_bias:
             b = self.param("bias", nn.initializers.zeros, (self.num_experts, self.features),
                            self.param_dtype)
@@ -223,7 +225,8 @@ class MoE(nn.Module):
         order, inverse, sizes = dispatch(experts, local + 1)
         sizes = sizes[:local]
         ids = experts.reshape(-1)[order] if family.biases else None  # each sorted row's
-        lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, family.biases, name=name)
+        lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, family.biases,
+                                           cfg.moe_backend, name=name)
         out = _expert_mlp(x[order // k], sizes, ids, lin,
                           self.has_variable("params", "gate_up_proj"), cfg)
         terms = weighted_slots(out[inverse].reshape(T, k, -1), weights,

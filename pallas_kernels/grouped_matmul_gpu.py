@@ -1,7 +1,7 @@
 """Grouped matmul as one Pallas kernel (Triton lowering): a mixture of experts' projection on
-NVIDIA GPUs, a candidate beside `jax.lax.ragged_dot`, which XLA may rewrite into a dense dot
-over every expert (docs/benchmarks.md, "Mixtures of experts"; scripts/gpu_check.sh measures
-both).
+NVIDIA GPUs, what `quant.ops.grouped_matmul` runs there by default, since XLA:GPU (jaxlib
+0.11.2) rewrites `jax.lax.ragged_dot` into a dense dot over every expert (quant/moe_hlo.py;
+docs/benchmarks.md, "Mixtures of experts"; scripts/gpu_check.sh times both).
 
 Rows of x come sorted by expert (model/moe.py). The row axis is cut into tiles of `block_m`
 rows on a fixed grid; a tile that straddles groups is visited once per group, each visit
@@ -20,6 +20,22 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+
+def block_dividing(dim: int, largest: int) -> int | None:
+    """The largest power of two from 16 (Triton's smallest dot) up to `largest` that divides
+    `dim`; None if none does (a tensor-parallel shard of an expert can be 96 wide)."""
+    block = largest
+    while block >= 16:
+        if dim % block == 0:
+            return block
+        block //= 2
+    return None
+
+
+def fits(K: int, N: int, block_k: int = 64, block_n: int = 64) -> bool:
+    """Whether grouped_matmul takes a weight of [E, K, N]."""
+    return block_dividing(K, block_k) is not None and block_dividing(N, block_n) is not None
 
 
 def tile_visits(group_sizes, num_rows: int, block_m: int):
@@ -69,13 +85,13 @@ def grouped_matmul(x, w, group_sizes, *, block_m: int = 64, block_n: int = 64,
                    block_k: int = 64, num_warps: int = 4, interpret: bool = False):
     """x [M, K] (rows sorted by group), w float[E, K, N], group_sizes int32[E] summing to at
     most M -> [M, N] in x's dtype, rows past the groups zeros: jax.lax.ragged_dot's result.
-    K and N must be multiples of block_k and block_n (powers of two, at least 16)."""
+    block_k and block_n are the largest tiles tried: each is halved (down to 16) until it
+    divides K and N (`fits`)."""
     M, K = x.shape
     E, _, N = w.shape
-    block_k, block_n = min(block_k, K), min(block_n, N)
-    if K % block_k or N % block_n:
-        raise ValueError(f"grouped_matmul takes K % {block_k} == 0 and N % {block_n} == 0, "
-                         f"not K={K}, N={N}")
+    if not fits(K, N, block_k, block_n):
+        raise ValueError(f"grouped_matmul takes K and N multiples of 16, not K={K}, N={N}")
+    block_k, block_n = block_dividing(K, block_k), block_dividing(N, block_n)
     # Whole tiles: every row a tile names is a row of its own (the interpreter's masked
     # store writes each index it is given, a clamped one too).
     padded = -(-M // block_m) * block_m

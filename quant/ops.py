@@ -18,9 +18,12 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import grouped_matmul_gpu
 from quant import packed, packed_experts
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
 from quant.int4 import Int4Array, is_quantized, matmul_int4
@@ -55,21 +58,45 @@ def matmul(x, w):
     return (y * w.scale[0]).astype(x.dtype)
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x, w, group_sizes, backend: str = "auto"):
     """Rows of x sorted by group, each against its group's weight: x [M, in], w [G, in, out]
     (an array or a quantized form with a leading group axis), group_sizes int32[G] summing
     to at most M -> [M, out] in x's dtype; rows past the groups' sum come out zero. The
     mixture-of-experts matmul (model/moe.py): one group per expert, shapes fixed whatever
     the mix. Packed for the grouped CPU kernels (quant/packed_experts.py), each row gets what
-    the single kernel gives it alone; elsewhere `ragged_dot`, quantized weights dequantized
-    into it (weight-only)."""
+    the single kernel gives it alone. Otherwise quantized weights are dequantized into it
+    (weight-only) and `backend` (ModelConfig.moe_backend, --moe-backend) picks the matmul:
+    - "auto": our Pallas kernel (pallas_kernels/grouped_matmul_gpu.py) where the program is
+      lowered for CUDA and the shape fits its tiles, `jax.lax.ragged_dot` elsewhere. XLA:GPU
+      (jaxlib 0.11.2) compiles ragged_dot into a dense dot over every expert, E times the
+      work (quant/moe_hlo.py); on CPUs and TPUs nothing changes.
+    - "ragged_dot": `jax.lax.ragged_dot` on every platform.
+    - "pallas": the Pallas kernel, compiled for CUDA, in the interpreter elsewhere (tests).
+    """
+    if backend not in ("auto", "ragged_dot", "pallas"):
+        raise ValueError(f"unknown MoE backend {backend!r}; choose one of auto, ragged_dot, "
+                         f"pallas")
     if isinstance(w, packed_experts.PackedExperts):
         return packed_experts.grouped_matmul(x, w, group_sizes)
     if is_quantized(w):
         w = w.dequantize(x.dtype)
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
-                           preferred_element_type=jnp.float32)
+    w = w.astype(x.dtype)
+    if backend == "ragged_dot" or (backend == "auto"
+                                   and not grouped_matmul_gpu.fits(*w.shape[1:])):
+        return _ragged_dot(x, w, group_sizes)
+    native = partial(_pallas_grouped_matmul, interpret=False)
+    elsewhere = (_ragged_dot if backend == "auto"
+                 else partial(_pallas_grouped_matmul, interpret=True))
+    return jax.lax.platform_dependent(x, w, group_sizes, cuda=native, default=elsewhere)
+
+
+def _ragged_dot(x, w, group_sizes):
+    y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+def _pallas_grouped_matmul(x, w, group_sizes, *, interpret: bool):
+    return grouped_matmul_gpu.grouped_matmul(x, w, group_sizes, interpret=interpret)
 
 
 def matmul_t(x, w):

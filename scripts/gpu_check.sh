@@ -27,13 +27,15 @@
 #                            completion
 #   tensor-parallel    90 s  (after engine-8b-warm) only with more than one GPU: the 8B-shaped engine at TP=1 and at
 #                            TP=N (N = the GPUs, at most 8), decode tok/s at batch 1/64
-#   moe-grouped        50 s  a Qwen3-30B-A3B-shaped expert MLP (hidden 2048, 128 experts, top-8,
-#                            bf16) at 16/64/256/1024 tokens: ragged_dot (our grouped_matmul)
-#                            vs the same FLOPs dense and vs every token through every expert;
-#                            which op XLA made of the ragged dot; then the ragged dot again
-#                            with XLA's cuDNN ragged-dot fusion flag. Last, so that it only
-#                            takes what the parts before leave of the pass (rows are written
-#                            as they finish)
+#   moe-grouped        60 s  a Qwen3-30B-A3B-shaped expert MLP (hidden 2048, 128 experts, top-8,
+#                            bf16) at 16/64/256/1024 tokens, then DeepSeek-V3's (hidden 7168,
+#                            256 experts, expert intermediate 2048) at 16/64/256: ragged_dot
+#                            and our Pallas grouped matmul (the MoE block's GPU default,
+#                            --moe-backend) vs the same FLOPs dense and vs every token through
+#                            every expert; which op XLA made of the ragged dot; then the
+#                            ragged dot again with XLA's cuDNN ragged-dot fusion flag. Last,
+#                            so that it only takes what the parts before leave of the pass
+#                            (rows are written as they finish)
 # Each part runs under `timeout` (its budget, cut to what is left of the pass); a part that
 # fails or times out is reported and the others still run. One table: $1, else
 # $OUT/gpu_check.txt if OUT is set, else ./gpu_check.txt; printed at the end.
@@ -103,13 +105,14 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   SHAPE=(--tiny) BATCHES=1,4 KERNEL_ARGS=(--quick) HLO_ARGS=(--k 256 --n 512 --m 1,4 --iters 3)
   KERNEL_TESTS=(tests/test_kernels.py -k "page_block_tiles or block_sizes")
   SERVE_SHAPE=tiny NATIVE=0  # the kernel tests in the interpreter
-  MOE_ARGS=(--smoke) MLA_ARGS=(--smoke)
+  MOE_ARGS=(--smoke) MLA_ARGS=(--smoke) DEEPSEEK_MOE_ARGS=(--smoke --tokens 4)
 else
   SHAPE=() BATCHES=1,64,256 KERNEL_ARGS=(--cases 9 --no-reference --tune) HLO_ARGS=(--k 4096 --n 14336 --m 1,64)
   KERNEL_TESTS=(tests/test_kernels.py tests/test_attention_variants.py
                 -k "pallas or page_block or kernel_matches")
   SERVE_SHAPE=8b NATIVE=1
-  MOE_ARGS=() MLA_ARGS=()
+  MOE_ARGS=() MLA_ARGS=() DEEPSEEK_MOE_ARGS=(--hidden 7168 --intermediate 2048 --experts 256
+                                             --tokens 16,64,256)
 fi
 
 XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
@@ -154,13 +157,20 @@ run serve-8b 65 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$M
 # fail or crash, that is a result, written to the table, and the part's status is the
 # first run's.
 FUSION_FLAG=--xla_gpu_experimental_use_ragged_dot_fusion=true
-run moe-grouped 50 bash -c '
-  py="$1" table="$2" flag="$3"; shift 3
-  "$py" scripts/gpu_moe_check.py "$@" --max-seconds 28 --out "$table"; rc=$?
-  XLA_FLAGS="$flag" timeout --kill-after=2 14 "$py" scripts/gpu_moe_check.py "$@" \
+# DeepSeek-V3's shape is a second process under its own timeout (its ragged_dot, densified,
+# does 256x the work); its rows go to the table as they finish, its status joins the part's.
+run moe-grouped 60 bash -c '
+  py="$1" table="$2" flag="$3" n="$4"; shift 4
+  qwen=("${@:1:$n}") deepseek=("${@:$((n + 1))}")
+  "$py" scripts/gpu_moe_check.py "${qwen[@]}" --max-seconds 24 --out "$table"; rc=$?
+  timeout --kill-after=2 20 "$py" scripts/gpu_moe_check.py "${deepseek[@]}" \
+    --max-seconds 14 --label "DeepSeek-V3 experts" --out "$table" || {
+    s=$?; echo "# DeepSeek-V3 experts: exit $s" | tee -a "$table"; [ "$rc" -ne 0 ] || rc=$s; }
+  XLA_FLAGS="$flag" timeout --kill-after=2 12 "$py" scripts/gpu_moe_check.py "${qwen[@]}" \
     --tokens 16,1024 --methods ragged_dot --iters 5 --repeats 2 --label "XLA_FLAGS=$flag" \
     --out "$table" || echo "# XLA_FLAGS=$flag: exit $?" | tee -a "$table"
-  exit $rc' _ "$PY" "$TABLE" "$FUSION_FLAG" "${MOE_ARGS[@]}"
+  exit $rc' _ "$PY" "$TABLE" "$FUSION_FLAG" "${#MOE_ARGS[@]}" "${MOE_ARGS[@]}" \
+  "${DEEPSEEK_MOE_ARGS[@]}"
 
 note ""
 note "## summary: part | status | time of budget (pass ${SECONDS} s of ${PASS_SECONDS} s)"

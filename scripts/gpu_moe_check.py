@@ -1,12 +1,15 @@
 """A mixture-of-experts layer's expert MLP on this device: which path XLA takes for
-`jax.lax.ragged_dot` (our `quant.ops.grouped_matmul` off the CPU) and how fast it is against
-two references, at a Qwen3-30B-A3B-like layer (hidden 2048, 128 experts, top-8, expert
-intermediate 768, bfloat16):
+`jax.lax.ragged_dot` and how fast it and our Pallas grouped matmul (what model/moe.py runs on
+NVIDIA GPUs by default) are against two references, at a Qwen3-30B-A3B-like layer (hidden
+2048, 128 experts, top-8, expert intermediate 768, bfloat16) or, with --hidden 7168
+--intermediate 2048 --experts 256, DeepSeek-V3's experts:
 
 - ragged_dot: the tokens' (token, expert) rows sorted by expert, gate/up [E, 2048, 1536]
-  then down [E, 768, 2048], each one `grouped_matmul` (what model/moe.py runs);
+  then down [E, 768, 2048], each one `quant.ops.grouped_matmul(..., "ragged_dot")`
+  (--moe-backend ragged_dot);
 - pallas: the same through our Pallas (Triton) grouped matmul,
-  pallas_kernels/grouped_matmul_gpu.py, the candidate should XLA densify ragged_dot;
+  pallas_kernels/grouped_matmul_gpu.py (`quant.ops.grouped_matmul(..., "pallas")`, the
+  default on a GPU; the interpreter elsewhere);
 - dense bound: the same rows through one expert's weights, plain matmuls of the same FLOPs
   (what a grouped GEMM could at best do, apart from reading every hit expert's weights: the
   "read bound" column is those bytes over the measured copy bandwidth);
@@ -14,8 +17,8 @@ intermediate 768, bfloat16):
   the routing weights, zero for the experts a token did not pick: E / k times the FLOPs.
 
 The "ragged_dot HLO" column reads the compiled module: `ragged-dot` kept as an op, a cuDNN
-fusion, or XLA's dense rewrite (the rows expanded, masked, to [rows, E * in] against every
-expert's weights: E times the FLOPs and a large temporary; what jaxlib 0.11.2 compiles for
+fusion, or XLA's dense rewrite (dots doing the work of every row against every expert,
+quant/moe_hlo.py: E times the FLOPs and a large temporary; what jaxlib 0.11.2 compiles for
 an H200 without autotuning); then the GEMM kinds and custom calls, and the temporaries.
 Each program chains --iters MLPs in a loop, the next input waiting on the last output; the
 table gives us per MLP, best of --repeats. Rows are printed (and appended to --out) as they
@@ -40,8 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.benchmark import copy_bandwidth  # noqa: E402
-from pallas_kernels.grouped_matmul_gpu import (  # noqa: E402
-    grouped_matmul as pallas_grouped_matmul)
+from quant.moe_hlo import read  # noqa: E402
 from quant.ops import grouped_matmul  # noqa: E402
 from scripts.bench_kernels import Table  # noqa: E402  (printed, and appended to --out)
 
@@ -51,18 +53,15 @@ COLUMNS = ("tokens", "rows", "experts hit", "ragged_dot us", "pallas us", "dense
            "ragged_dot HLO")
 
 
-def ragged_mlp(rows, group_sizes, w_gu, w_down):
-    """rows [M, H] sorted by expert -> [M, H]: each row through its expert's gated MLP."""
-    gate, up = jnp.split(grouped_matmul(rows, w_gu, group_sizes), 2, axis=-1)
-    return grouped_matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
+def expert_mlp(rows, group_sizes, w_gu, w_down, backend: str):
+    """rows [M, H] sorted by expert -> [M, H]: each row through its expert's gated MLP, the
+    grouped matmuls by quant.ops.grouped_matmul's `backend`."""
+    gate, up = jnp.split(grouped_matmul(rows, w_gu, group_sizes, backend), 2, axis=-1)
+    return grouped_matmul(jax.nn.silu(gate) * up, w_down, group_sizes, backend)
 
 
-def pallas_mlp(rows, group_sizes, w_gu, w_down):
-    """ragged_mlp through our Pallas grouped matmul (pallas_kernels/grouped_matmul_gpu.py;
-    the interpreter off a GPU)."""
-    gmm = partial(pallas_grouped_matmul, interpret=jax.default_backend() != "gpu")
-    gate, up = jnp.split(gmm(rows, w_gu, group_sizes), 2, axis=-1)
-    return gmm(jax.nn.silu(gate) * up, w_down, group_sizes)
+ragged_mlp = partial(expert_mlp, backend="ragged_dot")
+pallas_mlp = partial(expert_mlp, backend="pallas")  # the interpreter off a GPU
 
 
 def bound_mlp(rows, group_sizes, w_gu, w_down):
@@ -120,14 +119,15 @@ def compile_and_time(fn, args, iters: int, repeats: int):
     return best * 1e6 / iters, compile_s, compiled
 
 
-def ragged_path(hlo: str, rows: int, E: int, ins: tuple[int, ...]) -> str:
-    """What XLA made of the ragged dots in a compiled module."""
+def ragged_path(hlo: str, rows: int, E: int, H: int, I: int) -> str:
+    """What XLA made of the expert MLP's ragged dots in a compiled module."""
+    report = read(hlo, "compiled", rows, E, ((H, 2 * I), (I, H)))
     if re.search(r"\bragged-dot\(", hlo):
         path = "ragged-dot op"
     elif "cudnn" in hlo.lower():
         path = "cuDNN fusion"
-    elif all(f"[{rows},{E * n}]" in hlo or f"[{rows},{E},{n}]" in hlo for n in ins):
-        path = "dense rewrite [rows, E*in]"
+    elif report.dense:
+        path = f"dense rewrite, dots {report.work:.0f}x the grouped work"
     else:
         path = "no ragged-dot"
     kinds = sorted(set(re.findall(r'"kind":"(__[\w$]+)"', hlo))
@@ -187,8 +187,9 @@ def main(argv=None) -> int:
     H, E, k, I = args.hidden, args.experts, args.top_k, args.intermediate
     dtype = jnp.dtype(args.dtype)
     key_gu, key_down = jax.random.split(jax.random.PRNGKey(0))
-    w_gu = (jax.random.normal(key_gu, (E, H, 2 * I), jnp.float32) / np.sqrt(H)).astype(dtype)
-    w_down = (jax.random.normal(key_down, (E, I, H), jnp.float32) / np.sqrt(I)).astype(dtype)
+    # drawn in the weights' dtype: DeepSeek-V3's 22.5 GB of bf16 experts would be 45 GB in f32
+    w_gu = jax.random.normal(key_gu, (E, H, 2 * I), dtype) * jnp.asarray(H ** -0.5, dtype)
+    w_down = jax.random.normal(key_down, (E, I, H), dtype) * jnp.asarray(I ** -0.5, dtype)
     expert_bytes = (H * 2 * I + I * H) * dtype.itemsize
     bw = copy_bandwidth()
     table = Table(args.out)
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
                 table.line(f"# {T} tokens, {m}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
             if m == "ragged_dot":
-                hlo = (ragged_path(compiled.as_text(), T * k, E, (H, I)) + ", "
+                hlo = (ragged_path(compiled.as_text(), T * k, E, H, I) + ", "
                        + temp_mib(compiled))
         hit = int((sizes > 0).sum())
         fmt = lambda m: f"{us[m]:.1f}" if m in us else "-"  # noqa: E731

@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 
-from model.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
+from model.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, MOE_BACKENDS
 from serving.core.config import EngineConfig, default_cache_root
 from serving.core.version import version
 from serving.core.kv_events_config import KVEventsConfig
@@ -102,6 +102,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="a mixture-of-experts model: split the experts whole over the "
                         "tensor-parallel devices (N must divide the experts) instead of "
                         "splitting each expert's matmuls")
+    p.add_argument("--moe-backend", default="auto", choices=MOE_BACKENDS,
+                   help="a mixture of experts' grouped matmuls: auto (our Pallas kernel on "
+                        "NVIDIA GPUs, where XLA makes ragged_dot a dense dot over every "
+                        "expert; the packed C++ kernels or ragged_dot elsewhere), ragged_dot, "
+                        "or pallas")
     p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
                    help="several processes, one model: process 0's address (jax.distributed; "
                         "the step channel uses PORT+1 too)")
@@ -198,6 +203,7 @@ def _engine_config(args) -> EngineConfig:
                   tensor_parallel_size=args.tensor_parallel_size,
                   data_parallel_size=args.data_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel,
+                  moe_backend=args.moe_backend,
                   coordinator_address=args.coordinator_address,
                   num_processes=args.num_processes, process_id=args.process_id,
                   task=args.task, runner=args.runner, pooler_config=args.pooler_config,

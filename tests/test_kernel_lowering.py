@@ -7,6 +7,7 @@ ptxas: register or shared-memory overflow only shows on a GPU (scripts/gpu_check
 """
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -148,10 +149,14 @@ def test_model_forward_with_pallas_backend_lowers_for_cuda(monkeypatch):
         assert TRITON_CALL in lowered.as_text(), backend
 
 
-def test_moe_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
-    """A mixture-of-experts step for a GPU: each MoE layer's experts as two `chlo.ragged_dot`
-    (gate/up joined, then down) on the bf16 weights with float32 accumulation, and none of
-    our CPU kernels' FFI calls."""
+def test_moe_forward_lowers_for_cuda_with_the_pallas_grouped_matmul(monkeypatch):
+    """A mixture-of-experts step for a GPU: each MoE layer's experts as two Triton kernels
+    (our grouped matmul, gate/up joined, then down), no `ragged_dot` (XLA:GPU would make it
+    a dense dot over every expert, quant/moe_hlo.py). With moe_backend="ragged_dot", two
+    `chlo.ragged_dot` on the bf16 weights with float32 accumulation. Neither holds our CPU
+    kernels' FFI calls."""
+    import dataclasses
+
     from model import attention
     from model.batch import Batch
     from model.config import ModelConfig
@@ -171,9 +176,15 @@ def test_moe_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
     batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R))
     cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
     params = abstract_params(cfg)
-    text = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, "pallas"), params, cache,
-                          batch).as_text()
-    ragged = [line for line in text.splitlines() if '"chlo.ragged_dot"' in line]
+    texts = {backend: lower_for_cuda(lambda p, c, b: forward(
+                 p, c, b, dataclasses.replace(cfg, moe_backend=backend), "pallas"),
+                 params, cache, batch).as_text()
+             for backend in ("auto", "ragged_dot")}
+    assert '"chlo.ragged_dot"' not in texts["auto"]
+    # our grouped matmul's jitted function: gate/up and down in each of the 2 MoE layers
+    assert len(re.findall(r"call @grouped_matmul\w*\(", texts["auto"])) == 4
+    assert "call @grouped_matmul" not in texts["ragged_dot"]
+    ragged = [line for line in texts["ragged_dot"].splitlines() if '"chlo.ragged_dot"' in line]
     rows = T * k
     gate_up = f"(tensor<{rows}x{H}xbf16>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}xi32>) " \
               f"-> tensor<{rows}x{2 * I}xf32>"
@@ -181,8 +192,9 @@ def test_moe_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
            f"-> tensor<{rows}x{H}xf32>"
     assert [gate_up in line for line in ragged] == [True, False, True, False], ragged
     assert [down in line for line in ragged] == [False, True, False, True], ragged
-    assert "xlaserve_" not in text
-    assert TRITON_CALL in text  # the attention kernel, as in the dense model's step
+    for text in texts.values():
+        assert "xlaserve_" not in text
+        assert TRITON_CALL in text  # the attention kernel, as in the dense model's step
 
 
 def test_lora_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):

@@ -64,6 +64,10 @@ class EngineConfig:
     # a mixture of experts' experts split whole over those devices rather than each expert
     # split like the MLP (vLLM's --enable-expert-parallel; model/sharding.py)
     enable_expert_parallel: bool = False
+    # a mixture of experts' grouped matmuls (model.config.MOE_BACKENDS, quant/ops.py
+    # grouped_matmul): "auto" takes our Pallas kernel on NVIDIA GPUs, where XLA compiles
+    # ragged_dot into a dense dot over every expert; "ragged_dot" or "pallas" everywhere
+    moe_backend: str = "auto"
     # data parallelism in one server (vLLM's -dp; serving/engine/data_parallel.py): this
     # replica's rank among data_parallel_size, its devices the rank-th group of
     # tensor_parallel_size after the first

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -105,9 +105,9 @@ class LLMEngine:
             self.cfg, params = load_weights(self.model_dir, ec, dtype)
             self.timings = {"weights": time.perf_counter() - started}  # phase -> seconds
             self.tokenizer = tokenizer.result()
-        self.cfg = mesh.with_expert_parallel(
+        self.cfg = replace(mesh.with_expert_parallel(
             self.cfg, ec.data_parallel_size if self.lockstep else ec.tensor_parallel_size,
-            ec.enable_expert_parallel)
+            ec.enable_expert_parallel), moe_backend=ec.moe_backend)
         # --task embed: pooler and model facts (a bad --pooler-config fails here)
         self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
                          if self.task == "embed" else None)
