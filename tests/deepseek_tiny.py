@@ -65,3 +65,41 @@ def tiny_deepseek_model(name: str, out_dir: Path, seed: int = 0):
                 b.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     return model
+
+
+def tiny_mtp_model(out_dir: Path, seed: int = 0):
+    """A V3 of three layers with a next-n prediction layer, in the format of the released
+    checkpoints: a four-layer model saved, its last layer becoming `model.layers.3.*` with
+    enorm, hnorm, eh_proj and shared_head (random) beside it, and config.json saying three
+    layers and num_nextn_predict_layers 1. Returns the folder's layer count."""
+    import json
+
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    config_cls, model_cls, fields = VARIANTS["v3"]
+    cfg = getattr(tf, config_cls)(**{**COMMON, **fields, "num_hidden_layers": 4,
+                                     "num_nextn_predict_layers": 0})
+    torch.manual_seed(seed)
+    model = getattr(tf, model_cls)(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir)
+    tensors = load_file(out_dir / "model.safetensors")
+    g, H, N = torch.Generator().manual_seed(seed + 1), cfg.hidden_size, 3
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{N}.{name}.weight"] = 1 + 0.2 * torch.randn(H, generator=g)
+    tensors[f"model.layers.{N}.eh_proj.weight"] = 0.1 * torch.randn(H, 2 * H, generator=g)
+    tensors[f"model.layers.{N}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[f"model.layers.{N}.embed_tokens.weight"] = tensors[
+        "model.embed_tokens.weight"].clone()
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(num_hidden_layers=N, num_nextn_predict_layers=1)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return N

@@ -8,7 +8,9 @@ from pathlib import Path
 from serving.core.model_source import is_model_id
 from serving.core.json_option import json_object
 
-METHODS = ("ngram", "draft_model")
+# "mtp" (and its older name "deepseek_mtp"): the model's own next-n prediction layers
+# (serving/engine/mtp_drafter.py)
+METHODS = ("ngram", "draft_model", "mtp", "deepseek_mtp")
 # Speculation is switched off for a step with more running requests than this: verifying k
 # extra tokens per request stops being nearly free once a step is no longer bound by reading
 # the weights (docs/architecture.md, "Speculative decoding").
@@ -59,8 +61,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: prompt_lookup_min "
                              f"({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError("speculative_config: 'model' is for method draft_model, not ngram")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config: 'model' is for method draft_model, not "
+                             f"{self.method}")
         if self.method == "draft_model":
             if not self.model or not isinstance(self.model, str):
                 raise ValueError("speculative_config: method draft_model needs 'model', the "

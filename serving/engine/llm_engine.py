@@ -24,6 +24,7 @@ import jax
 from model.attention import resolve_backend
 from model.checkpoint import param_bytes
 from model.kv_cache import bytes_per_page
+from model.mtp import is_mtp_method
 from quant.recipe import describe as describe_quantization
 from serving.engine import demo_defaults, engine_setup, memory_plan, mesh, multiprocess, sizing
 from serving.core.config import EngineConfig
@@ -49,6 +50,7 @@ from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
 from serving.core.spec_decode import Drafter
 from serving.engine.draft_model import DraftModel
+from serving.engine.mtp_drafter import MtpDrafter
 from serving.engine.embedder import Embedder, check_task
 from serving.core.pooling_params import PoolingParams, resolve_task
 from serving.engine.output_processor import OutputProcessor
@@ -128,10 +130,15 @@ class LLMEngine:
         self.draft = DraftModel.for_config(self.speculative_config, ec, on_gpu, self.tokenizer,
                                            self.vocab_size, self.attention_backend,
                                            self.executable_dir)
+        spec = self.speculative_config
+        self.mtp = (MtpDrafter.for_config(spec, ec, self.model_dir, self.cfg, self.vocab_size,
+                                          self.attention_backend, self.executable_dir)
+                    if spec and is_mtp_method(spec.method) else None)
         # One device's share: a tensor-parallel device holds its KV heads of every page. A
         # draft model's cache has a page for every page of the target's: sized together.
         page_bytes = (bytes_per_page(self.placement.model_cfg, ec.page_size, ec.kv_cache_dtype)
-                      + (self.draft.page_bytes if self.draft else 0))
+                      + (self.draft.page_bytes if self.draft else 0)
+                      + (self.mtp.page_bytes if self.mtp else 0))
         # The stored tree is consumed here: the device holds the weights once before the
         # KV cache is sized and allocated.
         runner = StackedRunner if self.lockstep else ModelRunner
@@ -175,8 +182,9 @@ class LLMEngine:
         self.input_batch = InputBatch(self.buckets, ec.page_size, ec.max_num_seqs,
                                       self.runner.bitmask_width,
                                       self.embedder and self.embedder.pooler.pooling_type)
+        model_drafter = self.draft or self.mtp
         self.drafter = self.speculative_config and Drafter(
-            self.speculative_config, self.draft and self.draft.proposer(
+            self.speculative_config, model_drafter and model_drafter.proposer(
                 self.speculative_config, self.scheduler, self.num_pages, self.buckets,
                 ec.max_num_seqs))
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the caller's id
@@ -242,8 +250,9 @@ class LLMEngine:
         report = self.runner.warmup([padding_step(s, self.runner.hybrid_kv)
                                      for s in self.step_shapes],
                                     self.config.progress)
-        if self.draft:  # counted with the others
-            draft = self.draft.warmup(workers=os.cpu_count() or 1)
+        if self.draft or self.mtp:  # counted with the others
+            draft = (self.draft.warmup(workers=os.cpu_count() or 1) if self.draft else
+                     self.mtp.warmup(self.runner.params, workers=os.cpu_count() or 1))
             report.seconds += draft.seconds
             report.loaded += draft.loaded
             report.wall += draft.wall
@@ -402,6 +411,8 @@ class LLMEngine:
         if self.faults:
             self.faults.check("step", (s.request for s in out.scheduled))
         handle = self.runner.dispatch(arrays)
+        if self.mtp:  # drafts from this step's hidden states, on the device
+            self.mtp.launch(out, arrays, self.runner)
         outputs = failed + self._settle() + self.emit_pending()
         if runs_ahead(out, self):
             self._flight = InFlight(out, arrays, handle, self.scheduler.update_ahead(out))

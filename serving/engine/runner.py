@@ -271,6 +271,8 @@ class ModelRunner:
         args, layout = self._step_args(arrays, self.cache, put=True)
         program = program_for(self._compiled, arrays.shape, layout, "step")
         out, emitted, blocks, self.cache, self._last_tokens = program(*args)
+        # what a next-n prediction drafter reads on the device (serving/engine/mtp_drafter.py)
+        self.last_step = (out.tokens, emitted, blocks)
         out.tokens.copy_to_host_async()
         emitted.copy_to_host_async()
         if arrays.wants_logprobs:
