@@ -53,7 +53,14 @@ def tiny_deepseek_model(name: str, out_dir: Path, seed: int = 0):
         common = {k: v for k, v in common.items() if k not in LATENT}
     cfg = getattr(tf, config_cls)(**{**common, **fields})
     torch.manual_seed(seed)
-    model = getattr(tf, model_cls)(cfg).float().eval()
+    model = randomized(getattr(tf, model_cls)(cfg).float().eval())
+    model.save_pretrained(out_dir)
+    return model
+
+
+def randomized(model):
+    """Norms, biases and the routers' correction bias drawn at random in place."""
+    import torch
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
@@ -63,7 +70,6 @@ def tiny_deepseek_model(name: str, out_dir: Path, seed: int = 0):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
-    model.save_pretrained(out_dir)
     return model
 
 
@@ -81,15 +87,7 @@ def tiny_mtp_model(out_dir: Path, seed: int = 0):
     cfg = getattr(tf, config_cls)(**{**COMMON, **fields, "num_hidden_layers": 4,
                                      "num_nextn_predict_layers": 0})
     torch.manual_seed(seed)
-    model = getattr(tf, model_cls)(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.normal_(1.0, 0.2)
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.1)
-    model.save_pretrained(out_dir)
+    randomized(getattr(tf, model_cls)(cfg).float().eval()).save_pretrained(out_dir)
     tensors = load_file(out_dir / "model.safetensors")
     g, H, N = torch.Generator().manual_seed(seed + 1), cfg.hidden_size, 3
     for name in ("enorm", "hnorm", "shared_head.norm"):
