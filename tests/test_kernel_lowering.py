@@ -224,3 +224,34 @@ def test_lora_forward_lowers_for_cuda_as_ragged_dot(monkeypatch):
     shrink = f"(tensor<{T}x256xbf16>, tensor<{S}x256x{3 * rank}xbf16>, tensor<{S}xi32>)"
     assert sum(shrink in line for line in ragged) == 2
     assert "xlaserve_" not in text
+
+
+def test_deepseek_forward_lowers_for_cuda_with_the_latent_kernel(monkeypatch):
+    """A DeepSeek-V3 step for a GPU (latent attention, a dense first layer, sigmoid routing
+    with groups and shared experts): every layer's attention is the latent kernel, whose
+    cache operand is the 576-wide latent (never per-head keys), and the experts run on our
+    grouped matmul."""
+    from model import attention
+    from model.batch import Batch
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+    from model.transformer import abstract_params, forward
+    monkeypatch.setattr(attention, "PALLAS_INTERPRET", False)
+    cfg = ModelConfig.from_hf({
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_size": 256,
+        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 16, "q_lora_rank": 128, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 1}, "bfloat16")
+    T, R, P, page_size = 16, 4, 8, 16
+    i32 = lambda *s: SDS(s, jnp.int32)
+    batch = Batch(i32(T), i32(T), i32(T), i32(T), i32(R, P), i32(R))
+    cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 64, page_size))
+    assert cache.k.shape == (2, 64, page_size, 1, 576) and cache.v.size == 0
+    text = lower_for_cuda(lambda p, c, b: forward(p, c, b, cfg, "pallas"),
+                          abstract_params(cfg), cache, batch).as_text()
+    assert len(re.findall(r"call @latent_paged_attention\w*\(", text)) == 2
+    assert "tensor<2x64x16x1x576xbf16>" in text  # the cache the kernel reads: the latent
+    assert len(re.findall(r"call @grouped_matmul\w*\(", text)) == 2
+    assert "xlaserve_" not in text and '"chlo.ragged_dot"' not in text
