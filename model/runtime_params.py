@@ -10,9 +10,9 @@ HF projection. Run: `prepare_params` gives
   three or two (30 layers of SmolLM2 at one token: 21.1 ms -> 16.5 ms on 2 CPU cores).
   Weights quantized per tensor join with per-channel scales for the CPU kernels, and fp8
   ones elsewhere with one scale, the largest, as vLLM joins them.
-- on CPUs, int8 weights (per output channel or in groups) and int4 ones packed for our
-  kernels (quant/packed.py), and an int8 tied embedding table (per row or in groups) packed
-  again as `lm_head`: XLA:CPU widens int8 weights in memory before a dot, the kernel in
+- on CPUs, int8 weights (per output channel or in groups), int4 ones and fp8 ones with block
+  scales packed for our kernels (quant/packed.py), and an int8 tied embedding table (per row
+  or in groups) packed again as `lm_head`: XLA:CPU widens int8 weights in memory before a dot, the kernel in
   registers. Float weights (and a float tied table, as
   `lm_head`) are packed for the dense kernel, whose rows do not depend on their batch;
   a mixture of experts' stacked expert kernels for the grouped kernels
@@ -31,6 +31,7 @@ import numpy as np
 
 from quant import packed, packed_experts
 from quant.array import QuantArray, cast_scaled, dequantize
+from quant.fp8_blocks import Fp8BlockArray, concat_fp8_blocks
 from quant.int4 import Int4Array, concat_int4, is_quantized
 from quant.int8_groups import Int8GroupArray, concat_int8_groups
 
@@ -109,6 +110,8 @@ def _pack(params):
             return packed.pack_int4(a)
         if packed.int8_groups_packable(a):
             return packed.pack_int8_groups(a)
+        if packed.fp8_blocks_packable(a):
+            return packed.pack_fp8_blocks(a)
         if not (path and getattr(path[-1], "key", None) == "kernel"):
             return a
         if packed.dense_packable(a):
@@ -178,6 +181,9 @@ def _replaced(tree: dict, path: tuple, value) -> dict:
 
 
 def _joinable(kernels) -> bool:
+    if any(isinstance(k, Fp8BlockArray) for k in kernels):
+        return (all(isinstance(k, Fp8BlockArray) for k in kernels)
+                and len({k.block[0] for k in kernels}) == 1)
     for grouped in (Int4Array, Int8GroupArray):
         if any(isinstance(k, grouped) for k in kernels):
             return all(isinstance(k, grouped) for k in kernels)
@@ -209,6 +215,8 @@ def _widened(k):
 
 
 def _concat(kernels, exact: bool):
+    if isinstance(kernels[0], Fp8BlockArray):
+        return concat_fp8_blocks(kernels)
     if isinstance(kernels[0], (Int4Array, Int8GroupArray)):
         if len({k.scale.dtype for k in kernels}) > 1:
             kernels = [_widened(k) for k in kernels]

@@ -28,6 +28,7 @@ from model.kv_cache import KVCache
 from model.layers import embed
 from model.runtime_params import prepare_params
 from quant.array import QuantArray
+from quant.fp8_blocks import Fp8BlockArray
 from quant.int4 import GROUP, Int4Array, is_quantized
 from quant.int8_groups import Int8GroupArray
 
@@ -132,6 +133,8 @@ def _cut(leaf, axis: int, start: int, stop: int):
     """One block of a plain or quantized leaf; a scale shared along `axis` stays whole."""
     if isinstance(leaf, (Int4Array, Int8GroupArray)):
         return _cut_grouped(leaf, axis, start, stop)
+    if isinstance(leaf, Fp8BlockArray):
+        return _cut_blocks(leaf, axis, start, stop)
     if not isinstance(leaf, QuantArray):
         return _take(leaf, axis, start, stop)
     scale = leaf.scale if leaf.scale.shape[axis] == 1 else _take(leaf.scale, axis, start, stop)
@@ -155,6 +158,30 @@ def _cut_grouped(leaf, axis: int, start: int, stop: int):
     groups = (start // GROUP, stop // GROUP)
     return type(leaf)(_take(leaf.values, axis, start, stop),
                       *(_take(getattr(leaf, f), axis, *groups) for f in fields[1:]))
+
+
+def _cut_blocks(leaf: Fp8BlockArray, axis: int, start: int, stop: int) -> Fp8BlockArray:
+    """fp8 weights with block scales, cut at block boundaries only (the end of the axis may
+    close a partial block): along the inputs or outputs the values and the blocks they fill,
+    along a leading axis (whole experts) both alike."""
+    axis = axis % leaf.ndim
+    if axis < leaf.ndim - 2:
+        return Fp8BlockArray(_take(leaf.values, axis, start, stop),
+                             _take(leaf.scale, axis, start, stop), leaf.block)
+    block = leaf.block[axis - (leaf.ndim - 2)]
+    size = leaf.shape[axis]
+    if start % block or (stop % block and stop != size):
+        name = ("input_size_per_partition", "block_k") if axis == leaf.ndim - 2 else \
+            ("output_partition_size", "block_n")
+        raise ValueError(f"Weight {name[0]} = {stop - start} is not divisible by weight "
+                         f"quantization {name[1]} = {block}. ({leaf.describe()} of shape "
+                         f"{leaf.shape} split between devices in whole blocks; this split "
+                         f"gives a device {('inputs', 'outputs')[axis - (leaf.ndim - 2)]} "
+                         f"{start} to {stop}: use a tensor_parallel_size whose shards fill "
+                         "whole blocks)")
+    blocks = (start // block, -(-stop // block))
+    return Fp8BlockArray(_take(leaf.values, axis, start, stop),
+                         _take(leaf.scale, axis, *blocks), leaf.block)
 
 
 def _ranges(cfg: ModelConfig, n: int, shard: int) -> dict:

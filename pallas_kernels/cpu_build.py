@@ -26,11 +26,12 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # kernel name: the source `cpu/<name>.cc`, built into its own library, exporting the FFI
 # handler `xlaserve_<name>` (and the matmuls `xlaserve_<name>_grouped`, see grouped_matmul).
 KERNELS = ("q8_matmul", "q4_matmul", "q8_0_matmul", "paged_attention", "argmax", "masked_argmax",
-           "dense_matmul", "dense_argmax", "rms_norm")
+           "dense_matmul", "dense_argmax", "rms_norm", "fp8_block_matmul")
 # What a server builds ahead of time (`start_building`), longest first: the kernels every
 # CPU server asks for (attention, norm, argmaxes; the dense and int8 matmuls are checked
 # while the weights load) and the demo's int4 layers. The greedy head of float32 models
-# (dense_argmax) and GGUF's Q8_0 (q8_0_matmul) are built when first asked for.
+# (dense_argmax), GGUF's Q8_0 (q8_0_matmul) and fp8 weights with block scales
+# (fp8_block_matmul) are built when first asked for.
 AHEAD = ("paged_attention", "dense_matmul", "q4_matmul", "q8_matmul", "rms_norm",
          "masked_argmax", "argmax")
 

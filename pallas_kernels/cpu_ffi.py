@@ -64,25 +64,27 @@ def loaded_kernels() -> tuple[str, ...]:
     return tuple(k for k in KERNELS if k in _registered)
 
 
-def matmul(kernel: str, x, n: int, *operands):
+def matmul(kernel: str, x, n: int, *operands, **attrs):
     """x: float[..., K] through the matmul kernel `kernel` (its rows as float32[rows, K],
-    then `operands`) -> [..., n] in x's dtype."""
+    then `operands`; `attrs` its FFI attributes) -> [..., n] in x's dtype."""
     if not available(kernel):
         raise RuntimeError("the CPU kernels are not available (no C++ compiler or no AVX2)")
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call = jax.ffi.ffi_call(f"xlaserve_{kernel}",
                             jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, *operands).reshape(*x.shape[:-1], n).astype(x.dtype)
+    return call(x2, *operands, **attrs).reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-def grouped_matmul(kernel: str, x, group_sizes, n: int, *operands):
+def grouped_matmul(kernel: str, x, group_sizes, n: int, *operands, **attrs):
     """x: float[M, K], rows sorted by group, through the grouped form of the matmul kernel
     `kernel`: group_sizes int32[E], group e's rows against expert e's weight (`operands`
-    are the kernel's own, each with a leading axis of E) -> [M, n] in x's dtype. Rows past
+    are the kernel's own, each with a leading axis of E; `attrs` its FFI attributes) ->
+    [M, n] in x's dtype. Rows past
     sum(group_sizes) come out zero; a negative size or a sum past M fails the call."""
     if not grouped_available(kernel):
         raise RuntimeError(f"no grouped CPU kernel {kernel!r} here (no C++ compiler or no AVX2)")
     call = jax.ffi.ffi_call(f"xlaserve_{kernel}_grouped",
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    y = call(x.astype(jnp.float32), jnp.asarray(group_sizes).astype(jnp.int32), *operands)
+    y = call(x.astype(jnp.float32), jnp.asarray(group_sizes).astype(jnp.int32), *operands,
+             **attrs)
     return y.astype(x.dtype)

@@ -11,6 +11,8 @@ Kinds, each a kernel with its operands stacked on a leading expert axis E:
   "q8":    int8 values with a scale per output channel (q8_matmul_cpu)
   "q4":    GGUF's Q4_1 codes with a scale and offset per group of 32 (q4_matmul_cpu)
   "q8_0":  GGUF's Q8_0 int8 codes with a scale per group of 32 (q8_0_matmul_cpu)
+  "fp8_blocks": fp8 codes with a scale per block of inputs and output column, the block
+           size an attribute (fp8_block_matmul_cpu)
 """
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (cpu_ffi, dense_matmul_cpu, q4_matmul_cpu, q8_0_matmul_cpu,
-                            q8_matmul_cpu)
+from pallas_kernels import (cpu_ffi, dense_matmul_cpu, fp8_block_matmul_cpu, q4_matmul_cpu,
+                            q8_0_matmul_cpu, q8_matmul_cpu)
 from pallas_kernels.q4_matmul_cpu import fma_chain
 
 KERNELS = {"dense": "dense_matmul", "q8": "q8_matmul", "q4": "q4_matmul",
-           "q8_0": "q8_0_matmul"}
+           "q8_0": "q8_0_matmul", "fp8_blocks": "fp8_block_matmul"}
 
 
 def _kernel(kind: str) -> str:
@@ -49,9 +51,15 @@ def _pack_q8(values, scale):
     return panels, jnp.asarray(scale, jnp.float32).reshape(E, N)
 
 
+def _pack_fp8_blocks(codes, scale):
+    return (jax.vmap(fp8_block_matmul_cpu.pack_panels)(codes),
+            jnp.asarray(scale, jnp.float32))
+
+
 _PACK = {"dense": _pack_dense, "q8": _pack_q8,
          "q4": jax.vmap(q4_matmul_cpu.pack_panels),
-         "q8_0": jax.vmap(q8_0_matmul_cpu.pack_panels)}
+         "q8_0": jax.vmap(q8_0_matmul_cpu.pack_panels),
+         "fp8_blocks": _pack_fp8_blocks}
 
 
 def pack_experts(kind: str, values, *scales) -> tuple:
@@ -63,14 +71,17 @@ def pack_experts(kind: str, values, *scales) -> tuple:
       q8:    values int8[E, K, N], scale float[E, N] -> (panels, scale float32[E, N])
       q4:    codes uint8[E, K, N] (0..15), d, m float[E, K // 32, N] -> (codes, dp, mp)
       q8_0:  codes int8[E, K, N], d float[E, K // 32, N] -> (codes, dp)
+      fp8_blocks: codes [E, K, N], scale float[E, ceil(K / block), N] (per column)
+             -> (panels, scale float32)
     """
     return tuple(_PACK[kind](jnp.asarray(values), *scales))
 
 
-def grouped_matmul(kind: str, x, group_sizes, *packed):
+def grouped_matmul(kind: str, x, group_sizes, *packed, block: int = 0):
     """x: float[M, K], rows sorted by group; group_sizes int32[E], summing to at most M;
     packed: `pack_experts(kind, ...)` -> [M, N] in x's dtype: group e's rows times expert
-    e's weight, rows past sum(group_sizes) zeros."""
+    e's weight, rows past sum(group_sizes) zeros. block: the inputs per scale of
+    "fp8_blocks"."""
     kernel = _kernel(kind)
     if jnp.ndim(x) != 2 or jnp.ndim(group_sizes) != 1:
         raise ValueError("grouped_matmul takes x [M, K] and group_sizes [E]")
@@ -85,6 +96,10 @@ def grouped_matmul(kind: str, x, group_sizes, *packed):
                              + ("need a scale" if eight_bit else "take no scale"))
         scale = packed[1] if len(packed) == 2 else jnp.zeros((0,), jnp.float32)
         operands = [packed[0], scale.astype(jnp.float32).reshape(-1)]
+    if kind == "fp8_blocks":
+        fp8_block_matmul_cpu.check_operands(packed[0][0], packed[1][0], block)
+        return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, packed[0],
+                                      packed[1].reshape(-1), block=np.int64(block))
     return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, *operands)
 
 
@@ -100,13 +115,15 @@ def _dense_reference(x, w, scale=None):
 
 _REFERENCE = {"dense": _dense_reference, "q8": q8_matmul_cpu.q8_matmul_reference,
               "q4": q4_matmul_cpu.q4_matmul_reference,
-              "q8_0": q8_0_matmul_cpu.q8_0_matmul_reference}
+              "q8_0": q8_0_matmul_cpu.q8_0_matmul_reference,
+              "fp8_blocks": fp8_block_matmul_cpu.fp8_block_matmul_reference}
 
 
-def grouped_matmul_reference(kind: str, x, group_sizes, *unpacked):
+def grouped_matmul_reference(kind: str, x, group_sizes, *unpacked, block: int = 0):
     """The kernel's product in plain jnp, from the weights as `pack_experts` takes them
     (`unpacked`, each with a leading axis E) and concrete group sizes: each group's rows
     through its kind's reference against its expert's weight -> [M, N] in x's dtype."""
+    extra = (block,) if kind == "fp8_blocks" else ()
     _kernel(kind)
     sizes = np.asarray(group_sizes, np.int64)
     M, N = jnp.shape(x)[0], jnp.shape(unpacked[0])[2]
@@ -117,7 +134,7 @@ def grouped_matmul_reference(kind: str, x, group_sizes, *unpacked):
     for e, rows in enumerate(sizes):
         if rows:
             part = _REFERENCE[kind](jnp.asarray(x[start:start + rows], jnp.float32),
-                                    *(u[e] for u in unpacked))
+                                    *(u[e] for u in unpacked), *extra)
             y = y.at[start:start + rows].set(part)
         start += rows
     return y.astype(jnp.asarray(x).dtype)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels.host_layout import array_module, placed
 from pallas_kernels.q4_matmul_cpu import GROUP  # values of the input axis per scale and zero
 from quant.array import QuantArray, ValuesShaped
+from quant.fp8_blocks import Fp8BlockArray
 from quant.int8_groups import Int8GroupArray
 
 LEVELS = 15  # codes 0..15
@@ -43,7 +44,7 @@ class Int4Array(ValuesShaped):
 
 
 # every quantized weight form: leaves of a tree walk
-QUANTIZED = (QuantArray, Int4Array, Int8GroupArray)
+QUANTIZED = (QuantArray, Int4Array, Int8GroupArray, Fp8BlockArray)
 
 
 def is_quantized(a) -> bool:

@@ -10,6 +10,10 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
   int16 per group of 32 there); elsewhere dequantized into the dot, weight-only.
 - int8 in groups (quant/int8_groups.py, GGUF's Q8_0): packed on CPUs for q8_0_matmul (the
   same int16 activations per group); elsewhere dequantized into the dot, weight-only.
+- fp8 with block scales (quant/fp8_blocks.py, DeepSeek-V3's 128 x 128): packed on CPUs for
+  fp8_block_matmul (weight-only, each input block summed alone, then times its scale);
+  elsewhere, up to 64 rows, fp8 activations per row and input block against the fp8 codes
+  in one batched fp8 dot per input block, more rows dequantized into the dot.
 - fp8 per tensor (W8A8): the activations are quantized to fp8 with one dynamic power-of-two
   scale per call, and both sides are written `fp8 -> convert -> multiply by a scalar -> dot`,
   the only pattern XLA rewrites to a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`, sm89+).
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul_gpu
 from quant import packed, packed_experts
 from quant.array import QuantArray, cast_scaled, dequantize, scale_for
+from quant.fp8_blocks import Fp8BlockArray, matmul_fp8_blocks
 from quant.int4 import Int4Array, is_quantized, matmul_int4
 from quant.int8_groups import Int8GroupArray, matmul_int8_groups, take_rows
 
@@ -33,8 +38,8 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def matmul(x, w):
-    """x: [..., in] @ w: [in, out] (an array, a QuantArray or a PackedQ8) -> [..., out] in
-    x's dtype."""
+    """x: [..., in] @ w: [in, out] (an array, one of the quantized forms or their CPU packings)
+    -> [..., out] in x's dtype."""
     if isinstance(w, packed.PackedQ8):
         return packed.matmul(x, w)
     if isinstance(w, packed.PackedDense):
@@ -43,6 +48,10 @@ def matmul(x, w):
         return packed.q4_matmul(x, w)
     if isinstance(w, packed.PackedQ80):
         return packed.q8_0_matmul(x, w)
+    if isinstance(w, packed.PackedFp8Blocks):
+        return packed.fp8_block_matmul(x, w)
+    if isinstance(w, Fp8BlockArray):
+        return matmul_fp8_blocks(x, w)
     if isinstance(w, Int4Array):
         return matmul_int4(x, w)
     if isinstance(w, Int8GroupArray):
@@ -144,7 +153,7 @@ def take(table, ids, dtype):
 
 
 def dequantize_tree(params, dtype=jnp.float32):
-    """Every quantized weight (QuantArray, Int4Array, Int8GroupArray) in a tree replaced by
-    its dequantized array."""
+    """Every quantized weight (QuantArray, Int4Array, Int8GroupArray, Fp8BlockArray) in a tree
+    replaced by its dequantized array."""
     return jax.tree.map(lambda a: a.dequantize(dtype) if is_quantized(a) else a,
                         params, is_leaf=is_quantized)

@@ -4,23 +4,27 @@ PackedDense, for pallas_kernels/dense_matmul_cpu.py (rows independent of their b
 float32 / bfloat16 / float16 weight, or the 8-bit codes and scales of any other QuantArray
 (fp8; int8 in shapes the q8 kernel does not take), computed weight-only.
 
-PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py, and PackedQ80,
-an 8-bit group weight (quant/int8_groups.py, GGUF's Q8_0) for pallas_kernels/q8_0_matmul_cpu.py.
+PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py, PackedQ80,
+an 8-bit group weight (quant/int8_groups.py, GGUF's Q8_0) for pallas_kernels/q8_0_matmul_cpu.py,
+and PackedFp8Blocks, fp8 codes with block scales (quant/fp8_blocks.py, DeepSeek-V3's) for
+pallas_kernels/fp8_block_matmul_cpu.py.
 
 Made once at load; `quant.ops.matmul` sends them to their kernels. Checkpoints never hold
 them: they are run-time forms, like the joined projections of model/runtime_params.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ffi, dense_matmul_cpu, q4_matmul_cpu, q8_0_matmul_cpu
+from pallas_kernels import (cpu_ffi, dense_matmul_cpu, fp8_block_matmul_cpu, q4_matmul_cpu,
+                            q8_0_matmul_cpu)
 from pallas_kernels.host_layout import array_module, placed
 from pallas_kernels.q8_matmul_cpu import PANEL, pack_panels, q8_matmul
 from quant.array import QuantArray
+from quant.fp8_blocks import Fp8BlockArray
 from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 
@@ -188,3 +192,37 @@ def pack_int8_groups_head(table) -> PackedQ80 | None:
 def q8_0_matmul(x, w: PackedQ80):
     """x: [..., in] @ w -> [..., out] in x's dtype."""
     return q8_0_matmul_cpu.q8_0_matmul(x, w.codes, w.scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PackedFp8Blocks:
+    panels: jax.Array  # 8-bit codes [in, out] in panel order (fp8_block_matmul_cpu.pack_panels)
+    scale: jax.Array  # float32 [ceil(in / block), out]: per input block and output column
+    block: int = field(metadata=dict(static=True))  # inputs per scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.panels.shape)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+
+def fp8_blocks_packable(w) -> bool:
+    """A concrete kernel [in, out] Fp8BlockArray, with the kernel built."""
+    return (isinstance(w, Fp8BlockArray) and w.ndim == 2
+            and not isinstance(w.values, jax.core.Tracer)
+            and fp8_block_matmul_cpu.kernel_available())
+
+
+def pack_fp8_blocks(w: Fp8BlockArray) -> PackedFp8Blocks:
+    bi, bo = w.block
+    return PackedFp8Blocks(fp8_block_matmul_cpu.pack_panels(w.values),
+                           fp8_block_matmul_cpu.column_scales(w.scale, bo, w.shape[1]), bi)
+
+
+def fp8_block_matmul(x, w: PackedFp8Blocks):
+    """x: [..., in] @ w -> [..., out] in x's dtype."""
+    return fp8_block_matmul_cpu.fp8_block_matmul(x, w.panels, w.scale, w.block)

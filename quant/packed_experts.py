@@ -6,7 +6,9 @@ packs a layer's weight (quant/packed.py):
   "dense" (weight-only, rows independent of their batch);
 - int8 per output channel in the q8 kernel's shapes: "q8", as a dense layer's int8 weight;
 - int4 in groups (GGUF's Q4_1 form, quant/int4.py): "q4";
-- int8 in groups (GGUF's Q8_0 form, quant/int8_groups.py): "q8_0".
+- int8 in groups (GGUF's Q8_0 form, quant/int8_groups.py): "q8_0";
+- fp8 with block scales (DeepSeek-V3's form, quant/fp8_blocks.py): "fp8_blocks", the codes
+  never widened.
 
 Made once at load (model/runtime_params.py); `quant.ops.grouped_matmul` sends them to their
 kernel. Elsewhere (GPUs, a traced tree) the stacked forms stay, through `ragged_dot`.
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dense_matmul_cpu, grouped_matmul_cpu, q4_matmul_cpu, q8_matmul_cpu
+from pallas_kernels import (dense_matmul_cpu, fp8_block_matmul_cpu, grouped_matmul_cpu,
+                            q4_matmul_cpu, q8_matmul_cpu)
 from quant.array import QuantArray
+from quant.fp8_blocks import Fp8BlockArray
 from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 
@@ -30,10 +34,13 @@ class PackedExperts:
     operands: tuple  # the kind's packed operands, each with a leading expert axis
     shape: tuple[int, ...] = field(metadata=dict(static=True))  # (E, in, out)
     kind: str = field(metadata=dict(static=True))  # a grouped_matmul_cpu kind
+    block: int = field(default=0, metadata=dict(static=True))  # "fp8_blocks": inputs per scale
 
 
 def _kind(w) -> str | None:
     """The grouped kernel that runs expert kernels `w` [E, in, out], or None."""
+    if isinstance(w, Fp8BlockArray):
+        return "fp8_blocks"
     if isinstance(w, Int4Array):
         return "q4" if w.shape[-1] % q4_matmul_cpu.PANEL == 0 else None
     if isinstance(w, Int8GroupArray):
@@ -62,6 +69,10 @@ def packable(w) -> bool:
 
 def pack(w) -> PackedExperts:
     kind, shape = _kind(w), tuple(w.shape)
+    if kind == "fp8_blocks":
+        scale = fp8_block_matmul_cpu.column_scales(w.scale, w.block[1], shape[2])
+        return PackedExperts(grouped_matmul_cpu.pack_experts(kind, w.values, scale), shape, kind,
+                             w.block[0])
     if kind == "q4":
         operands = (w.values, w.scale, w.zero)
     elif kind == "q8_0":
@@ -76,4 +87,5 @@ def pack(w) -> PackedExperts:
 
 def grouped_matmul(x, w: PackedExperts, group_sizes):
     """x [M, in], rows sorted by expert, group_sizes int32[E] -> [M, out] in x's dtype."""
-    return grouped_matmul_cpu.grouped_matmul(w.kind, x, group_sizes, *w.operands)
+    return grouped_matmul_cpu.grouped_matmul(w.kind, x, group_sizes, *w.operands,
+                                             block=w.block)

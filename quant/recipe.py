@@ -9,6 +9,10 @@ comma-separated options after a colon:
                           time (W8A8): the pattern XLA:GPU turns into a cuBLASLt fp8 GEMM
     fp8:channel           fp8 weights per output channel, weight-only (no fp8 GEMM; the
                           convert fuses into the dot like int8's)
+    fp8:block             fp8 weights with one scale per block of 128 inputs x 128 outputs
+                          (amax / 448), DeepSeek-V3's form (quant/fp8_blocks.py): on GPUs
+                          fp8 activations per row and 128 inputs, one fp8 dot per input
+                          block; on CPUs weight-only, each block summed alone
     int4                  every linear layer 4-bit in groups of 32 inputs with a float16
                           scale and offset each (GGUF's Q4_1, quant/int4.py), weight-only
     int8:embed,lm_head    also the embedding table and the output head
@@ -30,14 +34,14 @@ SCHEMES = ("int8", "fp8", "int4")
 # Kernels a recipe leaves in the model's dtype: a mixture-of-experts router and its shared
 # expert's gate, small matmuls whose outputs pick and weigh the experts.
 FLOAT_KERNELS = ("router", "shared_expert_gate")
-GRANULARITIES = ("channel", "tensor", "group")
+GRANULARITIES = ("channel", "tensor", "group", "block")
 DEFAULT_GRANULARITY = {"int8": "channel", "fp8": "tensor", "int4": "group"}
 
 
 @dataclass(frozen=True)
 class Recipe:
     scheme: str  # "int8" | "fp8" | "int4"
-    granularity: str  # "channel" | "tensor" | "group" (int4's, and only int4's)
+    granularity: str  # "channel" | "tensor" | "group" (int4's, and only int4's) | "block" (fp8)
     embed: bool = False
     lm_head: bool = False
 
@@ -48,14 +52,19 @@ class Recipe:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; choose one of "
                              + ", ".join(GRANULARITIES))
-        if (self.scheme == "int4") != (self.granularity == "group"):
+        if (self.scheme == "int4") != (self.granularity == "group") or (
+                self.granularity == "block" and self.scheme != "fp8"):
             raise ValueError(f"{self.scheme} weights do not come per {self.granularity}: int4 "
-                             "is per group of 32 inputs, int8 and fp8 per channel or tensor")
+                             "is per group of 32 inputs, int8 per channel or tensor, fp8 per "
+                             "channel, tensor or block of 128 x 128")
 
     @property
     def activations(self) -> str:
-        """fp8 per tensor quantizes activations too (the fp8 GEMM needs both sides in fp8)."""
-        return "fp8" if (self.scheme, self.granularity) == ("fp8", "tensor") else "none"
+        """fp8 per tensor quantizes activations too (the fp8 GEMM needs both sides in fp8);
+        fp8 blocks per row and block of inputs (on GPUs, up to 64 rows)."""
+        if self.scheme != "fp8" or self.granularity == "channel":
+            return "none"
+        return "fp8" if self.granularity == "tensor" else "fp8 per row and 128 inputs"
 
     @classmethod
     def parse(cls, spec: "str | Recipe") -> "Recipe":
@@ -66,7 +75,7 @@ class Recipe:
         unknown = options - {*GRANULARITIES, "embed", "lm_head"}
         if unknown:
             raise ValueError(f"unknown quantization option(s) {sorted(unknown)} in {spec!r}; "
-                             "options: channel, tensor, embed, lm_head")
+                             "options: channel, tensor, block, embed, lm_head")
         gran = [g for g in GRANULARITIES if g in options]
         if len(gran) > 1:
             raise ValueError(f"{spec!r} names both granularities")
@@ -118,19 +127,21 @@ def _axes(path: tuple[str, ...], recipe: Recipe, tied: bool):
 
 
 def quantize_params(params: dict, recipe: "Recipe | str") -> dict:
-    """A parameter tree (of the model in model/) with the recipe's weights as QuantArrays.
+    """A parameter tree (of the model in model/) with the recipe's weights quantized
+    (QuantArrays; Int4Arrays or Fp8BlockArrays for int4 and fp8:block layers).
 
     Works on concrete arrays (numpy or jax) and, under `jax.eval_shape`, on abstract ones.
     Each weight is quantized by its own jitted program, so peak memory is one weight more.
     """
     import jax
 
-    from quant.array import QuantArray, storage_dtype
+    from quant.array import storage_dtype
+    from quant.int4 import is_quantized
     recipe = Recipe.parse(recipe)
     tied = "lm_head" not in params
 
     def one(path, leaf):
-        if isinstance(leaf, QuantArray):
+        if is_quantized(leaf):
             raise ValueError("these parameters are already quantized")
         names = tuple(getattr(p, "key", str(p)) for p in path)
         axes = _axes(names, recipe, tied)
@@ -140,10 +151,11 @@ def quantize_params(params: dict, recipe: "Recipe | str") -> dict:
             if names[0] == "layers":
                 return _int4_jit()(leaf)
             return _quantize_jit(storage_dtype("int8"), axes)(leaf)
+        if recipe.granularity == "block" and names[0] == "layers":
+            return _fp8_blocks_jit()(leaf)
         return _quantize_jit(storage_dtype(recipe.scheme), axes)(leaf)
 
-    return jax.tree_util.tree_map_with_path(one, params,
-                                            is_leaf=lambda a: isinstance(a, QuantArray))
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
 
 
 _JITTED = {}
@@ -168,6 +180,15 @@ def _int4_jit():
     return _JITTED["int4"]
 
 
+def _fp8_blocks_jit():
+    import jax
+
+    from quant.fp8_blocks import quantize_fp8_blocks
+    if "fp8_blocks" not in _JITTED:
+        _JITTED["fp8_blocks"] = jax.jit(quantize_fp8_blocks)
+    return _JITTED["fp8_blocks"]
+
+
 def abstract_quantized(abstract: dict, recipe: "Recipe | str") -> dict:
     """ShapeDtypeStruct tree -> the same with the recipe's weights as QuantArrays of structs."""
     import jax
@@ -178,14 +199,19 @@ def describe(params) -> str:
     """'not quantized', or e.g. 'int8 per channel, 7 of 11 tensors': what a tree holds."""
     import jax
 
+    from quant.fp8_blocks import Fp8BlockArray
     from quant.int4 import Int4Array, is_quantized
     from quant.int8_groups import Int8GroupArray
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
     quantized = [a for a in leaves if is_quantized(a)]
     if not quantized:
         return "not quantized"
-    grouped = (Int4Array, Int8GroupArray)
-    schemes = sorted({f"{a.scheme} per " + ("group of 32" if isinstance(a, grouped) else
-                                            "tensor" if a.per_tensor else "channel")
-                      for a in quantized})
+
+    def name(a) -> str:
+        if isinstance(a, Fp8BlockArray):
+            return a.describe()
+        if isinstance(a, (Int4Array, Int8GroupArray)):
+            return f"{a.scheme} per group of 32"
+        return f"{a.scheme} per " + ("tensor" if a.per_tensor else "channel")
+    schemes = sorted({name(a) for a in quantized})
     return f"{' + '.join(schemes)}, {len(quantized)} of {len(leaves)} tensors"

@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from quant.hlo import SCHEMES, classify  # noqa: E402
+from quant.hlo import SCHEMES, classify, quantizer  # noqa: E402
 from quant.ops import matmul  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "gpu_hlo"
@@ -64,11 +64,7 @@ def compile_only_device(target_config: Path):
 
 def abstract_weight(name: str, k: int, n: int, sharding):
     """The weight as `quant.hlo.weight` builds it, as shapes only."""
-    from quant.array import quantize
-    spec = SCHEMES[name]
-    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-    if spec is not None:
-        w = jax.eval_shape(lambda a: quantize(a, spec[0], spec[1]), w)
+    w = jax.eval_shape(quantizer(name), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), w)
 
 
@@ -125,6 +121,8 @@ def main() -> int:
     ap.add_argument("--m", default="1,64")
     ap.add_argument("--target-config", type=Path, default=DATA / "h200_target_config.txtpb")
     ap.add_argument("--out", type=Path, default=DATA)
+    ap.add_argument("--schemes", default=",".join(SCHEMES),
+                    help=f"comma-separated, of: {', '.join(SCHEMES)}")
     ap.add_argument("--step", default=None, metavar="BACKEND",
                     help="instead: the 8B engine's largest step programs with this attention "
                          "backend (pallas, pallas_pages), their temporaries")
@@ -134,7 +132,7 @@ def main() -> int:
         step_peaks(device, args.step)
         return 0
     sharding = jax.sharding.SingleDeviceSharding(device)
-    for name in SCHEMES:
+    for name in (s.strip() for s in args.schemes.split(",")):
         w = abstract_weight(name, args.k, args.n, sharding)
         for m in (int(v) for v in args.m.split(",")):
             x = jax.ShapeDtypeStruct((m, args.k), jnp.bfloat16, sharding=sharding)

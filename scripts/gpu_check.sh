@@ -23,6 +23,10 @@
 #   engine-8b-warm     35 s  the same engine restarted: warm-up from the compilation cache
 #   engine-8b-sync     45 s  engine-8b-cold's decode with --no-async-scheduling (warm)
 #   quant-hlo          20 s  the GEMM XLA chose for int8 / fp8 weights (8B MLP shape)
+#   quant-hlo-blocks   40 s  fp8 with 128 x 128 block scales (DeepSeek-V3's form) against fp8
+#                            per channel and bf16 at DeepSeek-V3's expert shapes, 7168 x 2048
+#                            and 2048 x 7168, at 1/16/64/1024 rows: the GEMM XLA chose, time,
+#                            weight bandwidth (rows written as they finish)
 #   serve-8b           65 s  `python -m serving serve` on that model: /health, one streamed
 #                            completion
 #   tensor-parallel    90 s  (after engine-8b-warm) only with more than one GPU: the 8B-shaped engine at TP=1 and at
@@ -106,6 +110,7 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
   KERNEL_TESTS=(tests/test_kernels.py -k "page_block_tiles or block_sizes")
   SERVE_SHAPE=tiny NATIVE=0  # the kernel tests in the interpreter
   MOE_ARGS=(--smoke) MLA_ARGS=(--smoke) DEEPSEEK_MOE_ARGS=(--smoke --tokens 4)
+  BLOCK_SHAPES=(256x512 512x256) BLOCK_ARGS=(--m 1,4 --iters 3)
 else
   SHAPE=() BATCHES=1,64,256 KERNEL_ARGS=(--cases 9 --no-reference --tune) HLO_ARGS=(--k 4096 --n 14336 --m 1,64)
   KERNEL_TESTS=(tests/test_kernels.py tests/test_attention_variants.py
@@ -113,6 +118,7 @@ else
   SERVE_SHAPE=8b NATIVE=1
   MOE_ARGS=() MLA_ARGS=() DEEPSEEK_MOE_ARGS=(--hidden 7168 --intermediate 2048 --experts 256
                                              --tokens 16,64,256)
+  BLOCK_SHAPES=(7168x2048 2048x7168) BLOCK_ARGS=(--m 1,16,64,1024 --iters 20)
 fi
 
 XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
@@ -149,6 +155,12 @@ if [ "$NUM_GPUS" -gt 1 ]; then
 fi
 
 run quant-hlo 20 "$PY" -m quant.hlo "${HLO_ARGS[@]}" --out "$TABLE"
+run quant-hlo-blocks 40 bash -c '
+  py="$1" table="$2" shapes="$3"; shift 3
+  for s in $shapes; do
+    "$py" -m quant.hlo --k "${s%x*}" --n "${s#*x}" --schemes "bf16,fp8 channel,fp8 block" \
+      "$@" --out "$table" || exit $?
+  done' _ "$PY" "$TABLE" "${BLOCK_SHAPES[*]}" "${BLOCK_ARGS[@]}"
 
 run serve-8b 65 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$MODEL" \
   --out "$TABLE"

@@ -62,7 +62,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="auto|none|int8|int4|fp8",
                    help="quantize an unquantized model's weights as it loads: int8 (per "
                         "channel), int4 (groups of 32, GGUF's Q4_1), fp8 (per tensor, fp8 "
-                        "GEMM) or a recipe such as fp8:channel or int8:embed,lm_head; a "
+                        "GEMM) or a recipe such as fp8:channel, fp8:block (128 x 128 block "
+                        "scales, DeepSeek-V3's) or int8:embed,lm_head; a "
                         "quantized checkpoint needs none. "
                         "auto (default): the checkpoint's weights, but int4:lm_head for the "
                         "demo model on a CPU; none: the checkpoint's")

@@ -1,7 +1,8 @@
 """Tiny pre-quantized Hugging Face folders written from tiny transformers models, laid out as
 the tools that make them lay them out: compressed-tensors by the compressed-tensors package's
 own quantization parameters and compressors, GPTQ (v1 / v2, act-order) and AWQ GEMM by
-round-to-nearest and numpy packing, fp8 with block scales through ml_dtypes.
+round-to-nearest and numpy packing, fp8 with block scales through ml_dtypes (also from a saved
+float folder, a mixture's experts included, as DeepSeek-V3 lays them out).
 
     folder, expected = write_gptq(model, tmp / "gptq", bits=4, group_size=32)
 
@@ -154,21 +155,29 @@ def write_awq(model, out: Path, group_size: int = 32, skip=(), **extra) -> tuple
 
 # -- fp8 with block scales ---------------------------------------------------------------------
 
+def fp8_blocks(w: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] float -> (float8_e4m3fn [out, in], float32 scales [ceil(out / bn),
+    ceil(in / bk)]): DeepSeek's amax / 448 per block, a block of zeros scale 1."""
+    n, k = w.shape
+    scale = np.ones((math.ceil(n / bn), math.ceil(k / bk)), np.float32)
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            amax = np.abs(w[r * bn:(r + 1) * bn, c * bk:(c + 1) * bk]).max()
+            scale[r, c] = amax / np.float32(448) if amax > 0 else 1
+    full = np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
+    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+
+
 def write_fp8(model, out: Path, block: tuple[int, int] | None = (32, 32),
               static: bool = False, **extra) -> tuple[Path, dict]:
     """weight float8_e4m3fn [out, in] with weight_scale_inv per [bn, bk] block (float32), or
     one weight_scale per tensor when block is None."""
-    fp8 = ml_dtypes.float8_e4m3fn
     quantized, expected = {}, {}
     for name, w in linear_weights(model).items():
         n, k = w.shape
         bn, bk = block or (n, k)
-        scale = np.empty((math.ceil(n / bn), math.ceil(k / bk)), np.float32)
-        for r in range(scale.shape[0]):
-            for c in range(scale.shape[1]):
-                scale[r, c] = np.abs(w[r * bn:(r + 1) * bn, c * bk:(c + 1) * bk]).max() / 448
+        q, scale = fp8_blocks(w, bn, bk)
         full = np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
-        q = (w / full).astype(fp8)
         parts = {"weight": torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)}
         parts["weight_scale_inv" if block else "weight_scale"] = (
             scale if block else scale.reshape(()))
@@ -179,6 +188,49 @@ def write_fp8(model, out: Path, block: tuple[int, int] | None = (32, 32),
     qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
           "fmt": "e4m3", **({"weight_block_size": list(block)} if block else {}), **extra}
     return save_folder(model, out, quantized, qc), expected
+
+
+# Every linear weight of a saved float folder, a mixture's experts included (one tensor each on
+# disk, whatever transformers holds in memory); not a router (`mlp.gate`, `block_sparse_moe.gate`)
+SAVED_LINEAR = re.compile(r"model\.layers\.\d+\..*\.(?:[a-z]+_proj|w[123])\.weight")
+
+
+def write_fp8_from_folder(hf_dir: Path, out: Path, block=(128, 128)) -> tuple[Path, dict]:
+    """A float Hugging Face folder's linear weights (experts too, as saved) in fp8 with block
+    scales, DeepSeek-V3's layout -> (the fp8 folder, {HF weight name: its dequantization,
+    float32 [out, in]}). `dequantized_folder` writes those back as a float folder."""
+    from safetensors.numpy import load_file
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(hf_dir / "model.safetensors")
+    stored, expected = {}, {}
+    for name, w in tensors.items():
+        if not SAVED_LINEAR.fullmatch(name):
+            stored[name] = torch.from_numpy(np.ascontiguousarray(w))
+            continue
+        q, scale = fp8_blocks(w.astype(np.float32), *block)
+        prefix = name.removesuffix(".weight")
+        stored[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        stored[f"{prefix}.weight_scale_inv"] = torch.from_numpy(scale)
+        full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+        expected[name] = q.astype(np.float32) * full
+    save_file(stored, out / "model.safetensors")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out, expected
+
+
+def dequantized_folder(hf_dir: Path, out: Path, expected: dict) -> Path:
+    """The float folder again with `expected`'s weights in place of its own: what serving the
+    fp8 folder dequantized at load gave."""
+    from safetensors.numpy import load_file
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: expected.get(n, w) for n, w in load_file(hf_dir / "model.safetensors").items()}
+    save_file({n: torch.from_numpy(np.ascontiguousarray(w)) for n, w in tensors.items()},
+              out / "model.safetensors")
+    (out / "config.json").write_text((hf_dir / "config.json").read_text())
+    return out
 
 
 # -- compressed-tensors, by the package ---------------------------------------------------------

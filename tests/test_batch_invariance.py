@@ -52,10 +52,12 @@ CASES = {  # name -> (model, checkpoint dtype, quantize recipe)
     "moe-int8": ("moe", "float32", "int8"),
     "moe-int4": ("moe", "float32", "int4:lm_head"),
     "moe-fp8": ("moe", "float32", "fp8"),
+    # 128 x 128 blocks (all partial here) on attention, the dense layer and the experts
+    "moe-fp8-block": ("moe", "float32", "fp8:block"),
 }
 # MoE case -> the grouped kernel its experts run on (quant/packed_experts.py)
 EXPERT_KINDS = {"moe-float32": "dense", "moe-bfloat16": "dense", "moe-int8": "q8",
-                "moe-int4": "q4", "moe-fp8": "dense"}
+                "moe-int4": "q4", "moe-fp8": "dense", "moe-fp8-block": "fp8_blocks"}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,7 @@ def kernel_forms(llm) -> set[str]:
             forms.add(f"{name}:{leaf.kind}" if isinstance(leaf, PackedExperts) else name)
     jax.tree_util.tree_map_with_path(visit, llm.engine.runner.params, is_leaf=lambda a: (
         isinstance(a, (QuantArray, packed.PackedQ8, packed.PackedDense, packed.PackedQ4,
-                       PackedExperts))))
+                       packed.PackedFp8Blocks, PackedExperts))))
     return forms
 
 
@@ -152,7 +154,8 @@ def test_batched_equals_alone_with_default_buckets(checkpoint, case):
     # (int4's head is int8; the MoE model's 211-token head is not in whole panels), int4
     # layers the q4 one.
     forms -= experts
-    assert forms <= {"PackedQ8", "PackedDense", "PackedQ4"}
+    assert forms <= {"PackedQ8", "PackedDense", "PackedQ4", "PackedFp8Blocks"}
+    assert ("PackedFp8Blocks" in forms) == (case == "moe-fp8-block")
     assert ("PackedQ8" in forms) == (case in ("int8-q8-kernel", "int4", "moe-int8"))
     assert ("PackedQ4" in forms) == (case in ("int4", "moe-int4"))
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in batched)

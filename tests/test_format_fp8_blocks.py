@@ -1,8 +1,8 @@
 """fp8 folders of `quant_method: "fp8"` served as they are (model/formats/fp8_blocks.py): block
-scales dequantized at load exactly as the format computes them (an fp8 QuantArray per channel
-where each output row has one scale), a per-tensor scale onto the fp8 kernel, static
-activation scales read and checked; greedy tokens against transformers on the same weights;
-refusals by name."""
+scales kept with their fp8 values (an Fp8BlockArray, never widened; its dequantization the
+format's own, bit for bit, partial last blocks included), a per-tensor scale onto the fp8
+kernel, static activation scales read and checked; greedy tokens against transformers on the
+same weights; refusals by name. tests/test_fp8_block_weights.py serves them."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,15 +13,17 @@ from model.config import ModelConfig
 from model.formats import FormatError, load_prequantized, quantization_config
 from model.hf_weights import WeightsError
 from quant.array import QuantArray
+from quant.fp8_blocks import Fp8BlockArray
 from tests.hf_tiny import tiny_hf_model
 from tests.quantized_tiny import (SIZES, assert_weights_equal, edited_copy,
                                   greedy_tokens_agree, kernel, write_fp8, written_once)
 
 # name -> (write_fp8 options, the form q_proj lands in)
 VARIANTS = {
-    "block-32": (dict(block=(32, 32)), "float32"),
-    "block-48-ragged": (dict(block=(48, 48)), "float32"),
-    "block-128": (dict(block=(128, 128)), "fp8 per channel"),
+    "block-32": (dict(block=(32, 32)), "fp8 blocks"),
+    "block-48-ragged": (dict(block=(48, 48)), "fp8 blocks"),
+    "block-128": (dict(block=(128, 128)), "fp8 blocks"),
+    "block-64x32": (dict(block=(64, 32)), "fp8 blocks"),
     "tensor-static": (dict(block=None, static=True), "fp8 per tensor"),
 }
 
@@ -44,9 +46,12 @@ def test_weights_equal_the_formats_dequantization(folders, name):
     cfg, params = load_model(folder, progress=False)
     assert_weights_equal(params, cfg, expected)
     q = kernel(params, "attn", "q_proj")
-    want = VARIANTS[name][1]
-    if want == "float32":
-        assert isinstance(q, np.ndarray) and q.dtype == np.float32
+    options, want = VARIANTS[name]
+    if want == "fp8 blocks":  # never widened: the file's fp8 values, [in, out]
+        bn, bk = options["block"]
+        assert isinstance(q, Fp8BlockArray) and q.values.dtype == np.dtype("float8_e4m3fn")
+        assert q.block == (bk, bn) and q.scale.dtype == np.float32
+        assert q.scale.shape == (cfg.num_layers, -(-q.shape[-2] // bk), -(-q.shape[-1] // bn))
     else:
         assert isinstance(q, QuantArray) and q.scheme == "fp8"
         assert q.per_tensor == (want == "fp8 per tensor")
@@ -56,7 +61,10 @@ def test_log_says_what_became_of_the_scales(folders):
     folder, _ = folders("block-32")
     cfg = ModelConfig.from_dir(folder)
     _, log = load_prequantized(folder, cfg, quantization_config(folder))
-    assert any("[32, 32] block scales are dequantized to float32" in line for line in log)
+    assert any("fp8 with 32x32 block scales (weight_block_size [32, 32]): kept in fp8" in line
+               for line in log)
+    assert any(line.strip().startswith("q_proj: fp8 with 32x32 block scales on ")
+               for line in log), log
     folder, _ = folders("tensor-static")
     _, log = load_prequantized(folder, cfg, quantization_config(folder))
     assert any("input_scale is read and checked" in line for line in log)

@@ -1,15 +1,16 @@
 """fp8 checkpoints of `quant_method: "fp8"` (Qwen3-FP8, DeepSeek style; transformers'
 FineGrainedFP8Config) onto our forms.
 
-Per linear module, `weight` float8_e4m3fn [out, in] and
+Per linear module (each expert of a mixture its own module), `weight` float8_e4m3fn
+[out, in] and
 
 - with `weight_block_size` [bn, bk]: `weight_scale_inv` float32 [ceil(out / bn),
   ceil(in / bk)], one scale per block (a multiplier, whatever its name says):
-  W[o, i] = weight[o, i] * scale[o // bn, i // bk]. No kernel of ours takes block scales, so
-  the weight is dequantized at load into float32, that product rounded once, as the format's
-  own dequantization computes it; where every block of an output row shares its scale (a
-  layer no wider than one block) it is an fp8 QuantArray per channel instead, the same
-  numbers.
+  W[o, i] = weight[o, i] * scale[o // bn, i // bk]. Kept as it is, transposed: an
+  Fp8BlockArray (quant/fp8_blocks.py) of the fp8 values [in, out] and the scales
+  [ceil(in / bk), ceil(out / bn)], never widened (DeepSeek-V3 is 671 GB in fp8); its
+  dequantization is the format's own, bit for bit. Experts are stacked [E, in, out] by the
+  filler (model/formats/param_tree.py).
 - without it: one scale, `weight_scale` (or `weight_scale_inv`) -> an fp8 QuantArray per
   tensor (our fp8 kernel quantizes activations per call, W8A8).
 
@@ -26,6 +27,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.formats.quantized_folder import ModuleTensors, add_note, check_fields, refuse
 from quant.array import QuantArray
+from quant.fp8_blocks import Fp8BlockArray
 
 METHOD = "fp8"
 FP8 = "float8_e4m3fn"
@@ -85,13 +87,10 @@ class Reader:
             return QuantArray(w.T, scale.reshape(1, 1))
         return self._blocks(module, w, scales[0])
 
-    def _blocks(self, module: ModuleTensors, w: np.ndarray, name: str):
+    def _blocks(self, module: ModuleTensors, w: np.ndarray, name: str) -> Fp8BlockArray:
         (bn, bk), (k, n) = self.block, module.shape
         scale = module.scale(name, (math.ceil(n / bn), math.ceil(k / bk)))
-        rows = np.repeat(scale, bn, axis=0)[:n]  # [out, in blocks]
-        if (rows == rows[:, :1]).all():
-            return QuantArray(w.T, rows[:, :1].T.copy())
-        add_note(self.notes, f"weights with [{bn}, {bk}] block scales are dequantized to "
-                             "float32 at load (no kernel of ours takes block scales)")
-        full = np.repeat(rows, bk, axis=1)[:, :k]
-        return (w.astype(np.float32) * full).T
+        value = Fp8BlockArray(w.T, scale.T.copy(), (bk, bn))
+        add_note(self.notes, f"{value.describe()} (weight_block_size [{bn}, {bk}]): kept in "
+                             "fp8, not widened")
+        return value

@@ -1,9 +1,10 @@
 """Filling the model's parameter tree one tensor at a time, for loaders of other formats.
 
 A loader hands each weight over already in our orientation (kernels [in, out]) and in one of
-our forms: a float numpy array, a `QuantArray`, an `Int4Array` or an `Int8GroupArray` of
-numpy arrays. Layers are stacked on a leading axis where each weight's layers share a form;
-where a file mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K, which no kernel
+our forms: a float numpy array, a `QuantArray`, an `Int4Array`, an `Int8GroupArray` or an
+`Fp8BlockArray` of numpy arrays; a mixture's experts one expert at a time, stacked here into
+the layer's [E, in, out] kernel. Layers are stacked on a leading axis where each weight's
+layers share a form; where a file mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K, which no kernel
 of ours takes), the layers stay a list of trees, each in its own form, and `notes` says so.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from model.config import ModelConfig
 from model.hf_weights import WeightsError, np_dtype
 from model.transformer import abstract_params
 from quant.array import QuantArray
+from quant.fp8_blocks import Fp8BlockArray, expand
 from quant.int4 import QUANTIZED, Int4Array
 from quant.int8_groups import Int8GroupArray
 
@@ -25,7 +27,10 @@ Path = tuple[str, ...]
 
 
 def form(value) -> str:
-    """A value's form, for the log: 'float32', 'int8 per channel', 'int4 (float16 scales)'."""
+    """A value's form, for the log: 'float32', 'int8 per channel', 'int4 (float16 scales)',
+    'fp8 with 128x128 block scales'."""
+    if isinstance(value, Fp8BlockArray):
+        return value.describe()
     if isinstance(value, Int4Array):
         return f"int4 ({np.dtype(value.scale.dtype).name} scales)"
     if isinstance(value, Int8GroupArray):
@@ -39,6 +44,9 @@ def form(value) -> str:
 def kernel(value) -> str:
     """The kernel that runs a weight of this form on this backend, for the log."""
     cpu = jax.default_backend() == "cpu"
+    if isinstance(value, Fp8BlockArray):
+        return ("fp8_block_matmul (weight-only)" if cpu else
+                f"XLA fp8 dot per {value.block[0]} inputs (fp8 activations up to 64 rows)")
     if isinstance(value, Int4Array):
         return "q4_matmul" if cpu else "XLA dot, dequantized in the program"
     if isinstance(value, Int8GroupArray):  # a kernel, or a table and so the tied head
@@ -53,16 +61,21 @@ def kernel(value) -> str:
     return "dense_matmul" if cpu else "XLA dot"
 
 
+def _array_fields(value) -> list[str]:
+    """A quantized form's array fields, in order (not its static ones, such as a block)."""
+    return [f.name for f in dataclasses.fields(value) if not f.metadata.get("static")]
+
+
 def _parts(value) -> list:
-    """A value's arrays: a quantized form's fields in order, or the array itself."""
+    """A value's arrays: a quantized form's array fields in order, or the array itself."""
     if isinstance(value, QUANTIZED):
-        return [getattr(value, f.name) for f in dataclasses.fields(value)]
+        return [getattr(value, f) for f in _array_fields(value)]
     return [value]
 
 
 def _signature(value):
-    return (type(value).__name__,) + tuple((a.shape, np.dtype(a.dtype).name)
-                                           for a in _parts(value))
+    return (type(value).__name__, getattr(value, "block", None)) + tuple(
+        (a.shape, np.dtype(a.dtype).name) for a in _parts(value))
 
 
 def dequantize_np(value) -> np.ndarray:
@@ -81,6 +94,10 @@ def dequantize_np(value) -> np.ndarray:
             axis=axis)
     if isinstance(value, QuantArray):
         return value.values.astype(np.float32) * value.scale.astype(np.float32)
+    if isinstance(value, Fp8BlockArray):
+        (bi, bo), (k, n) = value.block, value.values.shape[-2:]
+        scale = expand(expand(np.asarray(value.scale, np.float32), bo, n, -1), bi, k, -2)
+        return np.asarray(value.values).astype(np.float32) * scale
     return np.asarray(value, np.float32)
 
 
@@ -93,6 +110,7 @@ class ParamFiller:
         self.dtype = np_dtype(cfg.dtype)
         self.top: dict[Path, object] = {}
         self.layers: dict[Path, dict[int, object]] = {}
+        self.experts: dict[Path, dict[int, dict[int, object]]] = {}  # path -> layer -> expert
         self.notes: list[str] = []  # what the log should say about forms and fallbacks
 
     def declared(self, path: Path) -> tuple[int, ...]:
@@ -106,9 +124,12 @@ class ParamFiller:
                                f"{self.cfg.architecture} with this config") from None
         return tuple(node.shape)
 
-    def set(self, path: Path, layer: int | None, value, name: str) -> None:
-        """value: float array or QuantArray / Int4Array, shaped as the model declares it
-        (without the layer axis); name: the tensor's name in the file, for errors."""
+    def set(self, path: Path, layer: int | None, value, name: str,
+            expert: int | None = None) -> None:
+        """value: float array or one of our quantized forms, shaped as the model declares it
+        (without the layer axis, and for an expert without the expert axis); name: the
+        tensor's name in the file, for errors; expert: a mixture's expert, whose slot of the
+        layer's [E, ...] weight this is."""
         if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
             return  # a tied checkpoint may still store the (identical) head
         declared = self.declared(path)
@@ -116,13 +137,20 @@ class ParamFiller:
         if path[0] == "layers" and (layer is None or not 0 <= layer < declared[0]):
             raise WeightsError(f"tensor {name!r}: layer {layer} but the config has "
                                f"{declared[0]} layers")
+        if expert is not None:
+            if not 0 <= expert < want[0]:
+                raise WeightsError(f"tensor {name!r}: expert {expert} but the config has "
+                                   f"{want[0]} experts")
+            want = want[1:]
         shape = tuple(value.values.shape if isinstance(value, QUANTIZED) else value.shape)
         if shape != want:
             raise WeightsError(f"tensor {name!r} has shape {shape} where the model wants "
                                f"{want} (as [in, out] for a kernel)")
         if not isinstance(value, QUANTIZED):
             value = np.asarray(value)
-        if path[0] == "layers":
+        if expert is not None:
+            self.experts.setdefault(path, {}).setdefault(layer, {})[expert] = value
+        elif path[0] == "layers":
             self.layers.setdefault(path, {})[layer] = value
         else:
             self.top[path] = value
@@ -133,7 +161,7 @@ class ParamFiller:
         of per-layer trees, each weight in its own layer's form (model/runtime_params.py
         prepares either)."""
         params = jax.tree.map(lambda a: None, self.abstract)
-        missing = []
+        missing = self._stack_experts()
         num_layers = self.cfg.num_layers
         for path, a in _flatten(self.abstract):
             if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
@@ -168,6 +196,25 @@ class ParamFiller:
                 _put(params, path, _stack(values))
         return params
 
+    def _stack_experts(self) -> list[str]:
+        """Each layer's experts stacked into its [E, ...] weight (one form for all of them);
+        -> what is missing."""
+        missing = []
+        for path, by_layer in self.experts.items():
+            num = self.declared(path)[1]
+            for layer, got in sorted(by_layer.items()):
+                absent = [e for e in range(num) if e not in got]
+                if absent:
+                    missing.append(f"{'/'.join(path)} (layer {layer}, experts {absent[:4]})")
+                    continue
+                values = [self._float_or_keep(got[e]) for e in range(num)]
+                forms = Counter(form(v) for v in values)
+                if len({_signature(v) for v in values}) > 1:
+                    raise WeightsError(f"{'/'.join(path)} of layer {layer}: experts stored in "
+                                       f"different forms {dict(forms)}; one form is served")
+                self.layers.setdefault(path, {})[layer] = _stack(values)
+        return missing
+
     def describe(self, value) -> str:
         """A kernel's form as stored (a float array in the model's dtype) and the kernel that
         runs it, for the start-up log."""
@@ -182,9 +229,10 @@ class ParamFiller:
 
 
 def _stack(values: list):
-    """Layers of one form stacked on a leading axis."""
+    """Layers (or experts) of one form stacked on a leading axis."""
     if isinstance(values[0], QUANTIZED):
-        return type(values[0])(*(np.stack(parts) for parts in zip(*(_parts(v) for v in values))))
+        stacked = [np.stack(parts) for parts in zip(*(_parts(v) for v in values))]
+        return dataclasses.replace(values[0], **dict(zip(_array_fields(values[0]), stacked)))
     return np.stack(values)
 
 

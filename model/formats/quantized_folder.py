@@ -2,9 +2,9 @@
 AWQ, fp8 with block scales): the walk every such format shares, and what their readers share.
 
 Each format module's `make_reader(qc, cfg)` checks the config and returns a `LinearReader`:
-given one linear module's tensors (`ModuleTensors` of `model.layers.3.self_attn.q_proj`), it
-returns that weight in one of our forms, [in, out] (quant.array.QuantArray,
-quant.int4.Int4Array, ...) or a float array, or None when the module is stored as a plain
+given one linear module's tensors (`ModuleTensors` of `model.layers.3.self_attn.q_proj`, or of
+one expert's `model.layers.3.mlp.experts.5.up_proj`), it returns that weight in one of our
+forms, [in, out] (quant.array.QuantArray, quant.int4.Int4Array, ...) or a float array, or None when the module is stored as a plain
 `.weight` (an ignored layer, the head). Norms, biases and the embedding are read as the float
 loader reads them. A tensor nobody claims is an error: a packed integer tensor must never be
 read as if it were a float weight.
@@ -15,7 +15,6 @@ no float8; a damaged file is refused naming the tensor it cuts off.
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +27,9 @@ from model.config import ModelConfig
 from model.formats import FormatError
 from model.formats.int_groups import to_our_form
 from model.formats.param_tree import ParamFiller
-from model.hf_weights import _IGNORED, WeightsError, _target, safetensors_files
+from model.hf_weights import _IGNORED, WeightsError, _locate, _target, safetensors_files
+from quant.recipe import FLOAT_KERNELS
 
-# A linear module: its prefix -> (parameter path, layer or None).
-_LINEAR = re.compile(r"(?:model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z]+)_proj|lm_head)")
-_MODULE = {"self_attn": "attn", "mlp": "mlp"}
 
 # safetensors dtype names -> numpy (ml_dtypes for the ones numpy lacks)
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -124,14 +121,17 @@ def unpack_int32(words: np.ndarray, bits: int, axis: int, order=None) -> np.ndar
     return np.moveaxis(codes, -1, axis)
 
 
-def linear_path(prefix: str) -> tuple[tuple[str, ...], int | None] | None:
-    m = _LINEAR.fullmatch(prefix)
-    if not m:
+def linear_path(prefix: str) -> tuple[tuple[str, ...], int | None, int | None] | None:
+    """A linear module's prefix -> (its kernel's path, layer or None, expert or None), or None:
+    the layers' projections, a mixture's experts (a module each, `experts.E.`, their kernels
+    stacked [E, in, out] by the filler) and the head. A router stays a plain tensor."""
+    found = _locate(prefix + ".weight")
+    if found is None:
         return None
-    if prefix == "lm_head":
-        return ("lm_head", "kernel"), None
-    layer, module, proj = m.groups()
-    return ("layers", _MODULE[module], f"{proj}_proj", "kernel"), int(layer)
+    path, layer, expert, transpose = found
+    if not transpose or path[-1] != "kernel" or path[-2] in FLOAT_KERNELS:
+        return None
+    return path, layer, expert
 
 
 def file_tensors(file: Path) -> dict[str, Getter]:
@@ -209,18 +209,19 @@ def load_quantized_folder(folder: Path, cfg: ModelConfig, read_linear: LinearRea
     filler = ParamFiller(cfg)
     forms: dict[str, set[str]] = defaultdict(set)
     for prefix, tensors in sorted(by_module.items()):
-        path, layer = linear_path(prefix)
+        path, layer, expert = linear_path(prefix)
         if path[0] == "lm_head" and cfg.tie_word_embeddings:
             continue  # a tied checkpoint may still store the (identical) head
         module = ModuleTensors(prefix, tensors, filler.declared(path)[-2:])
         value = read_linear(module)
         if value is None:
             value = _plain_weight(module, describe)
-        filler.set(path, layer, value, prefix)
-        forms[path[-2] if layer is not None else path[0]].add(filler.describe(value))
+        filler.set(path, layer, value, prefix, expert)
+        kind = path[0] if layer is None else path[-2]
+        forms[kind if expert is None else f"experts' {kind}"].add(filler.describe(value))
         if "bias" in tensors:
             bias = module.get("bias", (module.shape[1],), "float")
-            filler.set(path[:-1] + ("bias",), layer, bias, prefix + ".bias")
+            filler.set(path[:-1] + ("bias",), layer, bias, prefix + ".bias", expert)
     for name in rest:
         target = _target(name, cfg)
         if target is None:
