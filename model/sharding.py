@@ -8,6 +8,13 @@ device holds the one KV head its query heads read (vLLM's replication). A mixtur
 experts splits every expert like the MLP, or, expert parallel (`cfg.expert_shards`), gives
 each device whole experts; its router is replicated (model/moe.py).
 
+Latent attention (model/latent_attention.py) splits by query head too: q_b_proj's (or
+q_proj's) columns in blocks of nope + rope dims a head, k_up / v_up on their head axis,
+o_proj's rows in blocks of v_head_dim. The latent has no head axis: q_a_proj, kv_a_proj
+and their norms are replicated, every device computes the same latent of each token, and
+the latent cache is whole on every device (`LATENT_SPEC`), as vLLM and SGLang hold it
+under TP (splitting it would need the latent gathered back before every head reads it).
+
 Each device's block is cut from the stored tree (`shard_stored`) and prepared on its device
 as a whole model of its own (model/runtime_params.py: per-layer buffers, q/k/v and gate/up
 joined, CPU packing), so a joined or packed weight is one contiguous block per shard. The
@@ -35,6 +42,8 @@ from quant.int8_groups import Int8GroupArray
 AXIS = "model"
 # KV cache [L, pages, page_size, K, D] (scales [L, pages, page_size, K]): by KV head.
 KV_SPEC = P(None, None, None, AXIS)
+# A latent cache [L, pages, page_size, 1, W]: whole on every device.
+LATENT_SPEC = P()
 
 
 class TensorParallelError(ValueError):
@@ -44,12 +53,13 @@ class TensorParallelError(ValueError):
 def valid_sizes(cfg: ModelConfig) -> list[int]:
     """Tensor-parallel sizes the model splits into: n divides the query heads and the
     intermediate size, and either n divides the KV heads or the KV heads divide n (so each
-    device's query heads read whole KV heads of their own). A mixture of experts also needs
-    n to divide each expert's intermediate size, or, expert parallel
-    (cfg.expert_shards > 1), the number of experts; and its shared expert's size."""
+    device's query heads read whole KV heads of their own; a latent cache, one "KV head"
+    whole on every device, puts no bound). A mixture of experts also needs n to divide each
+    expert's intermediate size, or, expert parallel (cfg.expert_shards > 1), the number of
+    experts; and its shared expert's size."""
     k = cfg.num_kv_heads
     return [n for n in range(1, cfg.num_heads + 1)
-            if cfg.num_heads % n == 0 and (k % n == 0 or n % k == 0)
+            if cfg.num_heads % n == 0 and (cfg.latent or k % n == 0 or n % k == 0)
             and all(size % n == 0 for size in _split_sizes(cfg))]
 
 
@@ -82,9 +92,11 @@ def check_size(cfg: ModelConfig, n: int, num_devices: int | None = None) -> None
                        else f", expert intermediate size {cfg.moe_intermediate_size}")
             if cfg.shared_expert_intermediate_size:
                 experts += f", shared expert size {cfg.shared_expert_intermediate_size}"
+        kv = ("a latent cache whole on every device" if cfg.latent
+              else f"{cfg.num_kv_heads} KV heads")
         raise TensorParallelError(
             f"tensor_parallel_size {n} does not split this model ({cfg.num_heads} query "
-            f"heads, {cfg.num_kv_heads} KV heads, intermediate size "
+            f"heads, {kv}, intermediate size "
             f"{cfg.intermediate_size}{experts}); sizes that work: {', '.join(map(str, sizes))}")
     if num_devices is not None and n > num_devices:
         raise TensorParallelError(f"tensor_parallel_size {n} needs {n} devices; "
@@ -92,6 +104,7 @@ def check_size(cfg: ModelConfig, n: int, num_devices: int | None = None) -> None
 
 
 def local_kv_heads(cfg: ModelConfig, n: int) -> int:
+    """KV heads on one device (a latent cache: its one, whole)."""
     return max(cfg.num_kv_heads // n, 1)
 
 
@@ -186,22 +199,29 @@ def _cut_blocks(leaf: Fp8BlockArray, axis: int, start: int, stop: int) -> Fp8Blo
 
 def _ranges(cfg: ModelConfig, n: int, shard: int) -> dict:
     """module -> (start, stop) of this shard's columns (or rows) of that module's weights;
-    "experts" of a mixture's routed experts (expert parallel: its experts)."""
-    d, i = cfg.head_dim, cfg.intermediate_size // n
-    q = cfg.num_heads // n * d
+    "experts" of a mixture's routed experts (expert parallel: its experts); "heads" of
+    latent attention's per-head projections (k_up, v_up)."""
+    d, i, h = cfg.head_dim, cfg.intermediate_size // n, cfg.num_heads // n
+    q = o = h * d
+    if cfg.latent:  # each head's query is nope + rope dims wide, its output v_head_dim
+        q, o = h * (cfg.qk_nope_head_dim + cfg.head_dim), h * cfg.v_head_dim
     kv0, kv = _kv_head_start(cfg, n, shard) * d, local_kv_heads(cfg, n) * d
     v = padded_vocab(cfg, n) // n
     e = (cfg.num_experts // n if cfg.expert_shards > 1 else cfg.moe_intermediate_size // n)
     s = cfg.shared_expert_intermediate_size // n
-    return {"q_proj": (shard * q, (shard + 1) * q), "k_proj": (kv0, kv0 + kv),
-            "v_proj": (kv0, kv0 + kv), "o_proj": (shard * q, (shard + 1) * q),
+    return {"q_proj": (shard * q, (shard + 1) * q), "q_b_proj": (shard * q, (shard + 1) * q),
+            "k_proj": (kv0, kv0 + kv), "v_proj": (kv0, kv0 + kv),
+            "o_proj": (shard * o, (shard + 1) * o), "heads": (shard * h, (shard + 1) * h),
             "mlp": (shard * i, (shard + 1) * i), "vocab": (shard * v, (shard + 1) * v),
             "experts": (shard * e, (shard + 1) * e), "shared_expert": (shard * s, (shard + 1) * s)}
 
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 # A mixture's router and shared-expert gate: every shard computes the whole routing.
-REPLICATED = ("router", "shared_expert_gate")
+# Latent attention's down-projections: every shard computes the whole latent (and q_a).
+REPLICATED = ("router", "shared_expert_gate", "q_a_proj", "kv_a_proj")
+# Latent attention's absorbed projections, [.., H, a, b]: cut on the head axis.
+PER_HEAD = ("k_up", "v_up")
 
 
 def shard_lora_site(site, arrays: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
@@ -235,6 +255,8 @@ def shard_stored(params: dict, cfg: ModelConfig, n: int, shard: int) -> dict:
         if names == ("lm_head", "kernel"):
             return _cut(leaf, -1, *ranges["vocab"])
         module = names[-2] if len(names) >= 2 else ""
+        if names[-1] in PER_HEAD:
+            return _cut(leaf, -3, *ranges["heads"])
         if module in REPLICATED or not (module in ranges or module.endswith("_proj")):
             return leaf  # norms: every shard needs all of them
         span = _span(names, module, ranges)
@@ -324,18 +346,25 @@ def local_params(params):
 
 
 def cache_config(cfg: ModelConfig, n: int) -> ModelConfig:
-    """The whole cache's shape: every shard's KV heads side by side (replicas included)."""
+    """The whole cache's shape: every shard's KV heads side by side (replicas included); a
+    latent cache's one latent a token (each device holds all of it)."""
+    if cfg.latent:
+        return cfg
     return replace(cfg, num_kv_heads=local_kv_heads(cfg, n) * n)
 
 
-def cache_specs(quantized: bool, window: bool = False) -> KVCache:
-    """window: with a hybrid model's window layers' cache (model/kv_groups.py), split alike."""
-    specs = KVCache(KV_SPEC, KV_SPEC, *((KV_SPEC, KV_SPEC) if quantized else (None, None)))
+def cache_specs(quantized: bool, window: bool = False, latent: bool = False) -> KVCache:
+    """window: with a hybrid model's window layers' cache (model/kv_groups.py), split alike.
+    latent: a latent cache (and its empty `v`), replicated."""
+    spec = LATENT_SPEC if latent else KV_SPEC
+    specs = KVCache(spec, spec, *((spec, spec) if quantized else (None, None)))
     return replace(specs, window=cache_specs(quantized)) if window else specs
 
 
-def cache_shardings(mesh, quantized: bool, window: bool = False) -> KVCache:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(quantized, window))
+def cache_shardings(mesh, quantized: bool, window: bool = False,
+                    latent: bool = False) -> KVCache:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        cache_specs(quantized, window, latent))
 
 
 def embed_vocab_parallel(table, ids, dtype, axis: str):

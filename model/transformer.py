@@ -173,8 +173,19 @@ def init_params(cfg: ModelConfig, seed: int = 0):
 
 
 def abstract_params(cfg: ModelConfig):
-    """The parameter tree as ShapeDtypeStructs: the single declaration of every weight."""
-    return jax.eval_shape(lambda: _init(cfg, jax.random.PRNGKey(0)))
+    """The parameter tree as ShapeDtypeStructs: the single declaration of every weight.
+    Where dense and MoE layers mix, one layer of each kind is traced and its shapes stand
+    for every layer of that kind (tracing DeepSeek-V3's 61 layers one by one takes most of a
+    minute; their shapes differ only by kind)."""
+    key = jax.random.PRNGKey(0)
+    if cfg.uniform_layers:
+        return jax.eval_shape(lambda: _init(cfg, key))
+    kinds = (cfg.moe_layers.index(False), cfg.moe_layers.index(True))
+    two = replace(cfg, num_layers=2, moe_layers=(False, True),
+                  sliding_windows=tuple(cfg.window(i) for i in kinds) if cfg.sliding_windows
+                  else ())
+    params = jax.eval_shape(lambda: _init(two, key))
+    return {**params, "layers": [params["layers"][int(moe)] for moe in cfg.moe_layers]}
 
 
 def _init(cfg: ModelConfig, key):

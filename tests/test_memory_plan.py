@@ -293,3 +293,70 @@ def test_moe_models_plan_on_one_h200(name, quantize):
     assert plan.max_concurrency >= 1
     used = weights + 3 * GIB + plan.kv_cache_bytes
     assert plan.budget_bytes - page < used <= plan.budget_bytes
+
+
+# -- DeepSeek-V3 and Kimi K2 over H200s, in their checkpoints' fp8 blocks ----------------------
+# Pure arithmetic on the parameter shapes (no weights): each GPU's share at TP=N with expert
+# parallel (model/sharding.py), counted as the checkpoints store it (memory_plan.FP8_BLOCK_128:
+# a byte per linear weight and a float32 scale per 128 x 128 block; the table, head, norms,
+# k_up / v_up in bfloat16 and the routers in float32, as the engine keeps them), and an
+# assumed 3 GiB activation peak. The latent cache is whole on every GPU: 61 layers x 576
+# values x 2 bytes = 70272 bytes (68.6 KiB) a token, whatever N.
+
+def fp8_block_plan(name: str, tp: int, **options):
+    """-> (the model's whole parameter count, one GPU's weight bytes, its plan)."""
+    from model.sharding import local_config
+    from serving.engine.memory_plan import FP8_BLOCK_128, weight_bytes
+    from serving.engine.mesh import with_expert_parallel
+    from serving.engine.sizing import kv_layout
+    from serving.engine.tp_lowering import MODELS, device_leaves
+    cfg = with_expert_parallel(MODELS[name](), tp, True)
+    total = sum(np.prod(shape) for _, shape, _ in device_leaves(cfg, 1))
+    weights = weight_bytes(device_leaves(cfg, tp), FP8_BLOCK_128)
+    page = bytes_per_page(local_config(cfg, tp), 16)
+    assert page == 16 * 61 * 576 * 2
+    plan = plan_memory(device_bytes=H200_BYTES, weight_bytes=weights, activation_bytes=3 * GIB,
+                       page_bytes=page, page_size=16, model_max_len=cfg.max_position_embeddings,
+                       kv_layout=kv_layout(cfg, tp), **options)
+    return total, weights, plan
+
+
+def test_deepseek_v3_fits_8_h200s_with_expert_parallel():
+    """DeepSeek-V3 (671e9 parameters) at TP=8 with expert parallel. By hand, per GPU: 58 MoE
+    layers x 32 experts x 3 x 7168 x 2048 fp8 = 81.74e9 bytes; attention 1.18e9 (q_b_proj
+    and o_proj, an eighth, fp8) + 0.92e9 (q_a_proj and kv_a_proj whole, fp8) + 0.26e9 (k_up
+    / v_up, an eighth, bf16); table and head 0.46e9 (an eighth, bf16); dense MLPs and shared
+    experts 0.47e9 (an eighth, fp8); routers 0.43e9 (whole, float32); block scales 0.02e9:
+    85.5e9 bytes = 79.6 GiB. KV cache: 0.9 x 140.4 GiB - 79.6 - 3 = 43.75 GiB, at 68.6 KiB a
+    token about 668k tokens: the whole 163840-token context 4 times over."""
+    total, weights, plan = fp8_block_plan("deepseek-v3", 8)
+    assert 670.5e9 < total < 671.5e9
+    assert 85.3e9 < weights < 85.7e9
+    assert 640_000 < plan.kv_tokens < 690_000
+    assert plan.max_model_len == 163840 and 4 < plan.max_concurrency < 4.2
+    assert plan.budget_bytes - plan.page_bytes < (
+        weights + 3 * GIB + plan.kv_cache_bytes) <= plan.budget_bytes
+    assert "the latent cache whole on each of 8 devices" in plan.describe()
+
+
+def test_kimi_k2_needs_two_8_gpu_processes_for_its_context():
+    """Kimi K2 (1.03e12 parameters, 384 experts). One process of 8 H200s: 60 MoE layers x 48
+    experts x 44.0e6 weights = 126.8e9 bytes of experts alone, 130.1e9 (121.2 GiB) in all,
+    leaving 2.2 GiB of cache: about 33k tokens, not one sequence of its 131072-token context
+    (vLLM's Kimi-K2-Instruct recipe, after Moonshot's guidance, names 16 GPUs the smallest
+    fp8 deployment at 128k, and lists 16 H200s as verified). Two
+    processes of 8 (`--num-processes 2`): the mesh spans all 16 GPUs (tensor_parallel_size
+    must be 16: serving/engine/mesh.check_tensor_parallel_size), each plans its own GPUs'
+    share, the same on every GPU, and the processes agree on the smallest
+    (multiprocess.agree): 61.3 GiB of weights, 62 GiB of cache, about 948k tokens, 7
+    sequences of the whole context."""
+    total, weights, plan = fp8_block_plan("kimi-k2", 8)
+    assert 1.02e12 < total < 1.03e12
+    assert 120 * GIB < weights < 122 * GIB
+    assert plan.max_model_len < 40_000  # what fits, well short of its context
+    with pytest.raises(MemoryPlanError, match="max_model_len 131072 needs 8192 KV pages"):
+        fp8_block_plan("kimi-k2", 8, max_model_len=131072)
+    _, weights, plan = fp8_block_plan("kimi-k2", 2 * 8, max_model_len=131072)
+    assert 61 * GIB < weights < 62 * GIB
+    assert 900_000 < plan.kv_tokens < 1_000_000 and plan.max_concurrency > 7
+    assert "the latent cache whole on each of 16 devices" in plan.describe()

@@ -2,7 +2,8 @@
 every family gives TP=1's tokens and logprobs at TP=N (KV heads fewer than N, biases on
 row-parallel layers, a padded vocabulary, quantized weights (int8, fp8, int4, a GGUF file's
 own forms) and KV cache, the pallas kernel
-in interpret mode, the demo model at TP=3); sizes that do not split a model are refused
+in interpret mode, the demo model at TP=3, DeepSeek-V3's latent attention and routing with
+and without expert parallelism, GLM-4.5); sizes that do not split a model are refused
 before any weight loads.
 
 The engines run in child processes (tests/tp_child.py) started with
@@ -19,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.sharding import TensorParallelError, check_size, valid_sizes
 from serving import LLM
 from serving.cli import main
+from tests.deepseek_tiny import tiny_deepseek_model
 from tests.gguf_tiny import LLAMA3_ROPE, write_gguf
 from tests.hf_tiny import tiny_hf_model
 from tests.lora_tiny import make_adapter
@@ -69,6 +72,11 @@ def models(tmp_path_factory):
     # window and full layers, soft-caps, sandwich norms, a vocabulary padded at TP=4
     made["gemma2"] = root / "gemma2"
     tiny_hf_model("gemma2", made["gemma2"], seed=1, **SHAPES)
+    # DeepSeek-V3 (4 heads, 8 experts in 4 groups, a dense first layer, a shared expert) and
+    # GLM-4.5 (GQA: 4 heads, 2 KV heads, partial rope, q/k norms, biases)
+    for variant in ("v3", "glm4_moe"):
+        made[variant] = root / variant
+        tiny_deepseek_model(variant, made[variant], seed=1)
     return made
 
 
@@ -108,6 +116,15 @@ def cases(models, demo_checkpoint) -> dict:
             options=dict(cpu, quantize="int8", enable_expert_parallel=True)),
         "gemma2": dict(model=str(models["gemma2"]), sizes=[1, 4],
                        options=dict(cpu, quantize="none"), kv_heads=1),
+        # latent attention: heads split, the latent cache whole on every device; the
+        # expert-parallel case compares with the plain case's TP=1 (the same engine)
+        "deepseek-v3": dict(model=str(models["v3"]), sizes=[1, 2], kv_heads=1,
+                            options=dict(cpu, quantize="none")),
+        "deepseek-v3-expert-parallel": dict(
+            model=str(models["v3"]), sizes=[2, 4], kv_heads=1, tp1="deepseek-v3",
+            options=dict(cpu, quantize="none", enable_expert_parallel=True)),
+        "glm-4.5": dict(model=str(models["glm4_moe"]), sizes=[1, 2], kv_heads=1,
+                        options=dict(cpu, quantize="none")),
         # 9 heads, 3 KV heads; TP=1 is the shared demo engine (the demo_llm fixture,
         # its checkpoint as converted), which other modules reuse.
         "demo": dict(model=str(demo_checkpoint), sizes=[3], kv_heads=1, options={}),
@@ -124,7 +141,8 @@ def results(models, demo_checkpoint, tmp_path_factory):
     children = []
     for i, names in enumerate((list(spec)[0::2], list(spec)[1::2])):
         path = folder / f"cases-{i}.json"
-        path.write_text(json.dumps({k: {f: v for f, v in spec[k].items() if f != "kv_heads"}
+        path.write_text(json.dumps({k: {f: v for f, v in spec[k].items()
+                                        if f not in ("kv_heads", "tp1")}
                                     for k in names}))
         children.append(subprocess.Popen(
             [sys.executable, "-m", "tests.tp_child", str(DEVICES), str(path)],
@@ -140,7 +158,15 @@ def results(models, demo_checkpoint, tmp_path_factory):
 
 CASES = ("llama-bias", "mistral-pallas", "qwen2-int8-head", "qwen3-fp8-kv-int8", "llama-int4",
          "llama-gguf", "llama-lora", "llama-int4-lora", "qwen2-moe", "qwen2-moe-expert-parallel",
-         "qwen3-moe-int8-expert-parallel", "gemma2", "demo")
+         "qwen3-moe-int8-expert-parallel", "gemma2", "deepseek-v3",
+         "deepseek-v3-expert-parallel", "glm-4.5", "demo")
+
+
+def tp1_result(name: str, spec: dict, out: dict, demo_llm) -> dict:
+    """The TP=1 run a case compares with: its own, another case's, or the demo engine's."""
+    if name == "demo":
+        return demo_tp1(demo_llm)
+    return out[spec[name].get("tp1", name)]["1"]
 
 
 def demo_tp1(llm) -> dict:
@@ -156,10 +182,10 @@ def demo_tp1(llm) -> dict:
 def test_tokens_and_logprobs_equal_tp1(results, name, demo_llm):
     spec, out = results
     case, by_size = spec[name], out[name]
-    one = by_size["1"] if name != "demo" else demo_tp1(demo_llm)
+    one = tp1_result(name, spec, out, demo_llm)
     tokens = [t for seq in one["tokens"] for t in seq]
     assert len(set(tokens)) >= 4, f"{name}: degenerate output {one['tokens']}"  # a real check
-    for n in map(str, case["sizes"][1:]):
+    for n in map(str, case["sizes"] if "tp1" in case else case["sizes"][1:]):
         tp = by_size[n]
         assert tp["mesh"] == int(n)
         assert tp["tokens"] == one["tokens"], name  # greedy and seeded sampling alike
@@ -176,6 +202,20 @@ def test_tokens_and_logprobs_equal_tp1(results, name, demo_llm):
         share = (one["device_weight_bytes"] - one.get("lora_bytes", 0)) / int(n)
         assert share < tp["device_weight_bytes"] - tp["lora_bytes"] < 1.6 * share
     assert one["mesh"] == 1
+
+
+def test_latent_cache_is_whole_on_every_device(results):
+    """Latent attention's cache has no head axis: at TP=2 and 4 each device holds all of it
+    (as many bytes as the one device at TP=1), where a GQA model's devices hold their KV
+    heads only."""
+    spec, out = results
+    whole = out["deepseek-v3"]["1"]["device_kv_bytes"]
+    assert whole > 0
+    assert out["deepseek-v3"]["2"]["device_kv_bytes"] == whole
+    for n in ("2", "4"):
+        assert out["deepseek-v3-expert-parallel"][n]["device_kv_bytes"] == whole
+    glm = out["glm-4.5"]
+    assert glm["2"]["device_kv_bytes"] == glm["1"]["device_kv_bytes"] // 2
 
 
 def test_adapters_change_their_rows_only(results):
@@ -233,3 +273,35 @@ def test_demo_model_sizes():
                        intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                        head_dim=64)
     assert valid_sizes(demo) == [1, 3]  # 9 would split the heads but not 1536
+
+
+def test_latent_attention_splits_by_head():
+    """DeepSeek-V3's shapes at TP=8 (abstract, no weights): q_b_proj's columns, k_up / v_up
+    and o_proj's rows by head (16 of 128 each: 16 x 192 query columns, 16 x 128 output
+    rows); q_a_proj, kv_a_proj and their norms whole; the cache's sharding replicated. Any
+    size dividing the heads and the expert and MLP sizes splits it; the KV-head rule puts
+    no bound (the latent is one "KV head", whole on every device)."""
+    import jax
+
+    from model import sharding
+    from model.transformer import abstract_params
+    from serving.engine.mesh import with_expert_parallel
+    from serving.engine.tp_lowering import deepseek_v3, fewer_layers
+    cfg = fewer_layers(deepseek_v3(), 4)
+    assert valid_sizes(cfg) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert valid_sizes(with_expert_parallel(cfg, 8, True)) == [1, 2, 4, 8, 16, 32, 64, 128]
+    with pytest.raises(TensorParallelError, match="128 query heads, a latent cache whole on "
+                                                  "every device"):
+        check_size(cfg, 3)
+    block = jax.eval_shape(lambda p: sharding.shard_stored(p, cfg, 8, 3), abstract_params(cfg))
+    attn = block["layers"][0]["attn"]
+    assert attn["q_b_proj"]["kernel"].shape == (1536, 16 * 192)
+    assert attn["k_up"].shape == (16, 128, 512) and attn["v_up"].shape == (16, 512, 128)
+    assert attn["o_proj"]["kernel"].shape == (16 * 128, 7168)
+    assert attn["q_a_proj"]["kernel"].shape == (7168, 1536)
+    assert attn["kv_a_proj"]["kernel"].shape == (7168, 576)
+    assert attn["kv_a_norm"]["scale"].shape == (512,)
+    local = sharding.local_config(cfg, 8)
+    assert (local.num_heads, local.num_kv_heads, local.kv_lora_rank) == (16, 1, 512)
+    assert sharding.cache_config(cfg, 8) == cfg
+    assert sharding.cache_specs(False, latent=True).k == sharding.LATENT_SPEC == P()

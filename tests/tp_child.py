@@ -57,12 +57,19 @@ def run_case(case: dict) -> dict:
             "kv_heads_per_device": engine.placement.model_cfg.num_kv_heads,
             "experts_per_device": engine.placement.model_cfg.local_experts,
             "device_weight_bytes": engine.device_weight_bytes(),
+            "device_kv_bytes": _device_kv_bytes(engine),
             "lora_bytes": engine.runner.lora.num_bytes if engine.runner.lora else 0,
             "weight_bytes": engine.weight_bytes,
             "seconds": round(time.perf_counter() - started, 1),
         }
         del llm, engine
     return out
+
+
+def _device_kv_bytes(engine) -> int:
+    """The most KV cache bytes one device holds."""
+    from serving.engine.mesh import per_device_bytes
+    return max(per_device_bytes(engine.runner.cache).values())
 
 
 def main() -> None:

@@ -63,11 +63,13 @@ def plan_cache(engine, page_bytes: int) -> CachePlan:
         engine.runner.hybrid_kv = True
     plan = None
     limit = mesh.gpu_memory_limit(engine.placement)
+    # tensor parallel: each device's share of the cache (a latent cache: all of it)
+    split = 1 if getattr(engine.placement, "data_parallel", False) else engine.placement.size
     if limit:
         plan = sizing.gpu_plan(
             ec, engine.cfg, page_bytes,
             engine.device_weight_bytes() + (engine.draft.weight_bytes if engine.draft else 0),
-            limit, engine._activation_peak, seq_pages, pool)
+            limit, engine._activation_peak, seq_pages, pool, devices=split)
         log.info("%s", plan.describe())
         max_model_len, num_pages, window_pages = (plan.max_model_len, plan.num_pages,
                                                   plan.window_pages)
@@ -78,7 +80,8 @@ def plan_cache(engine, page_bytes: int) -> CachePlan:
             ec, page_bytes, pool, max_model_len, kv_dtype,
             devices=engine.placement.size * (
                 1 if getattr(engine.placement, "data_parallel", False)
-                else ec.data_parallel_size), seq_pages=seq_pages)
+                else ec.data_parallel_size), seq_pages=seq_pages,
+            layout=sizing.kv_layout(engine.cfg, split))
     if engine.cluster is not None:
         max_model_len, num_pages = multiprocess.agree(max_model_len, num_pages)
     buckets = sizing.buckets(ec, max_model_len, engine.max_num_batched_tokens,

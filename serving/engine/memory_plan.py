@@ -12,13 +12,20 @@ KV cache. The KV cache gets what the other two leave:
 XLA's allocator is told the same budget before the backend starts (`configure_xla_allocator`):
 by default it preallocates 75% of the device and refuses anything past it, which would cap the
 engine below the plan. Plain Python, no JAX: the plan is a pure function, tested on a CPU.
+
+`weight_bytes` counts a model's weights from their shapes in a storage form (`WeightForm`),
+so a plan can be made for a checkpoint whose form this host cannot load or hold (DeepSeek-V3's
+fp8 weights with 128 x 128 block scales on eight GPUs: tests/test_memory_plan.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass
+
+from quant.recipe import FLOAT_KERNELS
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 XLA_DEFAULT_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
@@ -44,6 +51,7 @@ class MemoryPlan:
     # page_bytes and num_pages are then the full-attention layers'
     window_pages: int = 0
     window_page_bytes: int = 0
+    kv_layout: str = ""  # tensor parallel: what of the cache each device holds (sizing.kv_layout)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -67,7 +75,47 @@ class MemoryPlan:
                 f"{self.page_size} tokens = {self.kv_tokens} tokens; "
                 f"{self.max_concurrency:.2f} sequences of max_model_len {self.max_model_len} "
                 f"at once)" + (f"; of it the window layers' pool {self.window_pages - 1} pages"
-                               if self.window_pages else ""))
+                               if self.window_pages else "")
+                + (f"; {self.kv_layout}" if self.kv_layout else ""))
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """How a checkpoint stores its linear kernels: bytes per parameter, and one float scale
+    per block of (input rows, output columns); (0, 0): no scales. Every other weight (the
+    embedding, head, norms, routers, latent attention's k_up / v_up) keeps its own dtype."""
+    name: str
+    linear_bytes: float
+    block: tuple[int, int] = (0, 0)
+    scale_bytes: int = 4
+
+
+# DeepSeek-V3's, R1's and Kimi K2's checkpoints (quantization_config weight_block_size).
+FP8_BLOCK_128 = WeightForm("fp8 e4m3 with a float32 scale per 128 x 128 block", 1, (128, 128))
+
+
+def quantized_linear(path: tuple[str, ...]) -> bool:
+    """A kernel a quantized form covers: quant/recipe.py's rule (a layer's kernels, but not
+    a router's nor a shared expert's gate)."""
+    return path[0] == "layers" and path[-1] == "kernel" and path[-2] not in FLOAT_KERNELS
+
+
+def weight_bytes(leaves, form: WeightForm) -> int:
+    """leaves: (path names, shape, itemsize) of every weight (one device's, under tensor
+    parallel) -> their bytes in `form`. A kernel's last two axes are [in, out]; leading
+    ones (layers, experts) each have blocks of their own."""
+    total = 0
+    for path, shape, itemsize in leaves:
+        size = math.prod(shape)
+        if not quantized_linear(path):
+            total += size * itemsize
+            continue
+        total += math.ceil(size * form.linear_bytes)
+        if form.block != (0, 0):
+            rows, cols = form.block
+            blocks = -(-shape[-2] // rows) * -(-shape[-1] // cols)
+            total += math.prod(shape[:-2]) * blocks * form.scale_bytes
+    return total
 
 
 def sequence_pages(max_len: int, page_size: int, seq_pages: int = 0) -> int:
@@ -82,7 +130,7 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
                 max_model_len: int | None = None,
                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                 kv_cache_memory: int | None = None, seq_pages: int = 0,
-                window=None) -> MemoryPlan:
+                window=None, kv_layout: str = "") -> MemoryPlan:
     """The split of one device's memory; raises MemoryPlanError (before anything large is
     allocated) when the model, or one sequence of the requested length, does not fit.
 
@@ -90,7 +138,8 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
     sequence of it, else the longest whole number of pages it does hold. seq_pages: on a
     window model, the most pages a request holds however long it grows; 0: no bound.
     window: a hybrid model's window-layer pool (serving/engine/kv_pools.WindowPool), taken
-    out of the KV cache's share first; page_bytes is then the full-attention layers'."""
+    out of the KV cache's share first; page_bytes is then the full-attention layers'.
+    kv_layout: said in the description (sizing.kv_layout)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise MemoryPlanError(f"gpu_memory_utilization must be in (0, 1], got "
                               f"{gpu_memory_utilization}")
@@ -132,7 +181,8 @@ def plan_memory(*, device_bytes: int, weight_bytes: int, activation_bytes: int,
                       activation_bytes=activation_bytes, page_bytes=page_bytes,
                       page_size=page_size, num_pages=int(num_pages), max_model_len=int(max_len),
                       seq_pages=seq_pages, window_pages=window_pages,
-                      window_page_bytes=window.page_bytes if window_pages else 0)
+                      window_page_bytes=window.page_bytes if window_pages else 0,
+                      kv_layout=kv_layout)
 
 
 def configure_xla_allocator(gpu_memory_utilization: float, environ=os.environ) -> float:

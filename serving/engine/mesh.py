@@ -15,6 +15,7 @@ import logging
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -103,6 +104,7 @@ class TensorParallel(OnMesh):
         self.axis = sharding.AXIS
         self.mesh = mesh
         self._quantized_kv = kv_storage_dtype(cfg, kv_cache_dtype)[1]
+        self._latent = cfg.latent  # the latent cache whole on every device
         self._replicated = NamedSharding(self.mesh, P())
 
     def prepare(self, params, free_stacked: bool = False):
@@ -113,7 +115,8 @@ class TensorParallel(OnMesh):
 
     def zeros_cache(self, num_pages: int, page_size: int, dtype,
                     window_pages: int = 0) -> KVCache:
-        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv, window_pages > 0)
+        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv, window_pages > 0,
+                                             self._latent)
         make = partial(KVCache.zeros, self._cache_cfg(), num_pages, page_size, dtype,
                        window_pages)
         return jax.jit(make, out_shardings=shardings)()
@@ -122,7 +125,8 @@ class TensorParallel(OnMesh):
                        window_pages: int = 0) -> KVCache:
         shapes = jax.eval_shape(lambda: KVCache.zeros(self._cache_cfg(), num_pages, page_size,
                                                       dtype, window_pages))
-        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv, window_pages > 0)
+        shardings = sharding.cache_shardings(self.mesh, self._quantized_kv, window_pages > 0,
+                                             self._latent)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, shardings)
 
@@ -142,7 +146,7 @@ class TensorParallel(OnMesh):
     def wrap_step(self, step):
         """step(params, cache, buffers, history, bitmask, **static) of one shard -> the
         function of the whole mesh (outputs replicated, the cache sharded)."""
-        return partial(_sharded_step, step, self.mesh, self._quantized_kv)
+        return partial(_sharded_step, step, self.mesh, self._quantized_kv, self._latent)
 
     def wrap_prompt(self, fn):
         def local(params, hidden, targets):
@@ -159,22 +163,43 @@ class TensorParallel(OnMesh):
                              out_specs=P(), check_vma=False)
 
 
-def _sharded_step(step, mesh, quantized_kv, params, cache, buffers, history, bitmask,
+def _sharded_step(step, mesh, quantized_kv, latent, params, cache, buffers, history, bitmask,
                   last_tokens, lora_slots=None, **static):
-    """lora_slots: LoRA slots stacked by shard like the weights (serving/engine/lora_slots.py)."""
-    cache_spec = sharding.cache_specs(quantized_kv, cache.window is not None)
+    """lora_slots: LoRA slots stacked by shard like the weights (serving/engine/lora_slots.py).
+    latent: a latent cache, replicated: every shard writes the same latents into its copy."""
+    cache_spec = sharding.cache_specs(quantized_kv, cache.window is not None, latent)
+    cache, empty = _without_empty(cache)
+    cache_spec = dataclasses.replace(cache_spec, **dict.fromkeys(empty))
 
     def local(params, cache, buffers, history, bitmask, last_tokens, lora_slots):
-        return step(sharding.local_params(params), cache, buffers, history, bitmask,
-                    last_tokens, sharding.local_params(lora_slots), **static)
+        cache = dataclasses.replace(cache, **{f: jnp.zeros(a.shape, a.dtype)
+                                              for f, a in empty.items()})
+        *out, cache, next_tokens = step(sharding.local_params(params), cache, buffers, history,
+                                        bitmask, last_tokens, sharding.local_params(lora_slots),
+                                        **static)
+        return (*out, _without_empty(cache)[0], next_tokens)
     # check_vma off: the kernels are FFI and Pallas calls with no replication rules; the
     # outputs are replicated because the hidden states are (after each psum) and the logits
     # are gathered.
-    return jax.shard_map(local, mesh=mesh,
-                         in_specs=(P(sharding.AXIS), cache_spec, P(), P(), P(), P(),
-                                   P(sharding.AXIS)),
-                         out_specs=(P(), P(), P(), cache_spec, P()), check_vma=False)(
+    *out, cache, next_tokens = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(sharding.AXIS), cache_spec, P(), P(), P(), P(),
+                                    P(sharding.AXIS)),
+        out_specs=(P(), P(), P(), cache_spec, P()), check_vma=False)(
         params, cache, buffers, history, bitmask, last_tokens, lora_slots)
+    replicated = NamedSharding(mesh, P())
+    cache = dataclasses.replace(cache, **{f: jax.lax.with_sharding_constraint(
+        jnp.zeros(a.shape, a.dtype), replicated) for f, a in empty.items()})
+    return (*out, cache, next_tokens)
+
+
+def _without_empty(cache: KVCache) -> tuple[KVCache, dict]:
+    """-> (the cache with its zero-size arrays, a latent cache's `v` and `v_scale`, as None;
+    those arrays by field). They stay out of the shard_map: XLA:CPU crashes running a
+    multi-device shard_map with a zero-size operand beside others (JAX 0.11.2), and they
+    hold nothing to move."""
+    empty = {f: getattr(cache, f) for f in ("v", "v_scale")
+             if getattr(cache, f) is not None and getattr(cache, f).size == 0}
+    return dataclasses.replace(cache, **dict.fromkeys(empty)), empty
 
 
 def placement(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype=None,
@@ -209,15 +234,17 @@ def gpu_memory_limit(where) -> int | None:
 
 
 def log_devices(where, params, cache) -> None:
-    """One line per device: its weights, its KV cache and the KV heads it holds."""
+    """One line per device: its weights, its KV cache and the KV heads it holds (a latent
+    cache: all of it, on every device)."""
     weights, kv = per_device_bytes(params), per_device_bytes(cache)
-    heads = where.model_cfg.num_kv_heads
+    cfg = where.model_cfg
+    held = ("the whole latent cache" if cfg.latent else f"{cfg.num_kv_heads} KV heads")
     for i, device in enumerate(where.devices):
         if device in weights:
             log.info("tensor parallel %d/%d on %s: weights %.1f MiB, KV cache %.1f MiB "
-                     "(%d KV heads, %d query heads)", i, where.size, device,
-                     weights[device] / 2**20, kv.get(device, 0) / 2**20, heads,
-                     where.model_cfg.num_heads)
+                     "(%s, %d query heads)", i, where.size, device,
+                     weights[device] / 2**20, kv.get(device, 0) / 2**20, held,
+                     cfg.num_heads)
 
 
 def with_expert_parallel(cfg: ModelConfig, n: int, enabled: bool) -> ModelConfig:

@@ -85,12 +85,26 @@ def kv_cache_memory(ec: EngineConfig) -> int | None:
     return None if ec.kv_cache_memory is None else memory_plan.parse_bytes(ec.kv_cache_memory)
 
 
+def kv_layout(cfg: ModelConfig, devices: int) -> str:
+    """What of the KV cache each of a tensor-parallel mesh's devices holds, for the plan
+    and the start-up log: its KV heads, or a latent cache whole (it has no head axis:
+    model/sharding.py). "" on one device."""
+    if devices <= 1:
+        return ""
+    if cfg.latent:
+        return f"the latent cache whole on each of {devices} devices"
+    return (f"{max(cfg.num_kv_heads // devices, 1)} of {cfg.num_kv_heads} KV heads on each "
+            f"of {devices} devices")
+
+
 def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: int,
              allocator_limit: int, activation_peak, seq_pages: int = 0,
-             window: WindowPool | None = None) -> memory_plan.MemoryPlan:
+             window: WindowPool | None = None, devices: int = 1) -> memory_plan.MemoryPlan:
     """The GPU memory plan. activation_peak(max_model_len) -> bytes of the largest step's
     temporaries for that context (compiled, not run). seq_pages: on a window model, the
-    most pages a request holds however long (core/kv_window.request_pages); 0: no bound."""
+    most pages a request holds however long (core/kv_window.request_pages); 0: no bound.
+    devices: the tensor-parallel mesh's size (page_bytes and weight_bytes are one
+    device's)."""
     longest = max_model_len(cfg, ec.max_model_len, cap=None)
     peak = activation_peak(longest)
     plan = memory_plan.plan_memory(
@@ -98,7 +112,7 @@ def gpu_plan(ec: EngineConfig, cfg: ModelConfig, page_bytes: int, weight_bytes: 
         weight_bytes=weight_bytes, activation_bytes=peak, page_bytes=page_bytes,
         page_size=ec.page_size, model_max_len=longest, max_model_len=ec.max_model_len,
         gpu_memory_utilization=ec.gpu_memory_utilization, kv_cache_memory=kv_cache_memory(ec),
-        seq_pages=seq_pages, window=window)
+        seq_pages=seq_pages, window=window, kv_layout=kv_layout(cfg, devices))
     used = plan.weight_bytes + plan.activation_bytes + plan.kv_cache_bytes
     if used > allocator_limit:
         raise memory_plan.MemoryPlanError(
@@ -138,10 +152,11 @@ def num_pages(ec: EngineConfig, bytes_per_page: int, max_len: int, kv_dtype: str
 
 def num_pages_hybrid(ec: EngineConfig, bytes_per_page: int, window: WindowPool | None,
                      max_len: int, kv_dtype: str = "", devices: int = 1,
-                     seq_pages: int = 0) -> tuple[int, int]:
+                     seq_pages: int = 0, layout: str = "") -> tuple[int, int]:
     """num_pages, for a hybrid model (serving/engine/kv_pools.py): -> (full-attention
     layers' pages, window layers' pages), both with their sink page; bytes_per_page is then
-    the full layers' page. Without a window pool, (pages, 0)."""
+    the full layers' page. Without a window pool, (pages, 0). layout: kv_layout's words,
+    logged."""
     budget = kv_cache_memory(ec)
     per_seq = memory_plan.sequence_pages(max_len, ec.page_size, seq_pages)
     if budget is not None:
@@ -172,5 +187,5 @@ def num_pages_hybrid(ec: EngineConfig, bytes_per_page: int, window: WindowPool |
              " of the full-attention layers" if window else "",
              f" ({kv_dtype})" if kv_dtype else "", pages * bytes_per_page / GIB,
              f" on each of {devices} devices" if devices > 1 else "", pages, ec.page_size,
-             pages // per_seq, why)
+             pages // per_seq, why + (f"; {layout}" if layout else ""))
     return pages + 1, window_pages
