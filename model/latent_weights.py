@@ -48,12 +48,17 @@ def halves(n: int) -> np.ndarray:
     return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
 
 
-def deinterleave_rope(name: str, value, cfg: ModelConfig):
+def deinterleave_rope(name: str, value, cfg: ModelConfig, check: bool = False):
     """A query or latent projection of a model whose rope dims come in interleaved pairs,
     its rope rows (output rows, HF [out, in]) put in rotate-half order; others unchanged.
-    Scores are the same: q and k_rot move alike."""
+    Scores are the same: q and k_rot move alike. check: only say whether `name` is such a
+    tensor (or its scale, or its bias): -> True or None."""
     if not cfg.rope_interleaved:
-        return value
+        return None if check else value
+    if check:
+        module = name.rpartition(".")[0]
+        return True if (_Q.fullmatch(module + ".weight")
+                        or _KV_A.fullmatch(module + ".weight")) else None
     rot = cfg.head_dim
     if _Q.fullmatch(name):
         w = np.array(value).reshape(cfg.num_heads, cfg.qk_nope_head_dim + rot, -1)
@@ -64,6 +69,15 @@ def deinterleave_rope(name: str, value, cfg: ModelConfig):
         w[cfg.kv_lora_rank:] = w[cfg.kv_lora_rank:][halves(rot)]
         return w
     return value
+
+
+def rope_in_blocks(cfg: ModelConfig, rows: int) -> bool:
+    """Whether each rope span of the query (per head) and of the latent projection lies
+    inside one block of `rows` output rows, so permuting it keeps every row's scale."""
+    rot, width = cfg.head_dim, cfg.qk_nope_head_dim + cfg.head_dim
+    starts = [h * width + cfg.qk_nope_head_dim for h in range(cfg.num_heads)]
+    starts.append(cfg.kv_lora_rank)
+    return all(s // rows == (s + rot - 1) // rows for s in starts)
 
 
 def is_mtp_layer(name: str, cfg: ModelConfig) -> bool:

@@ -192,7 +192,7 @@ def write_fp8(model, out: Path, block: tuple[int, int] | None = (32, 32),
 
 # Every linear weight of a saved float folder, a mixture's experts included (one tensor each on
 # disk, whatever transformers holds in memory); not a router (`mlp.gate`, `block_sparse_moe.gate`)
-SAVED_LINEAR = re.compile(r"model\.layers\.\d+\..*\.(?:[a-z]+_proj|w[123])\.weight")
+SAVED_LINEAR = re.compile(r"model\.layers\.\d+\..*\.(?:[a-z_]+_proj(?:_with_mqa)?|w[123])\.weight")
 
 
 def write_fp8_from_folder(hf_dir: Path, out: Path, block=(128, 128)) -> tuple[Path, dict]:

@@ -211,3 +211,30 @@ def test_lora_is_refused_naming_why(tmp_path):
     tiny_deepseek_model("v2_lite", tmp_path)
     with pytest.raises(ValueError, match="latent attention"):
         LLM(str(tmp_path), enable_lora=True, **OPTIONS)
+
+
+def test_fp8_block_checkpoint_serves_without_widening(tmp_path):
+    """DeepSeek-V3's own format (every projection fp8 with 128x128 block scales, the router
+    float): served with its weights fp8 on the device (kv_b_proj alone dequantized, into the
+    per-head absorbed projections), its greedy tokens transformers' on the format's own
+    dequantization of the same file."""
+    import transformers as tf
+
+    from quant import packed, packed_experts
+    from tests.quantized_tiny import dequantized_folder, write_fp8_from_folder
+    tiny_deepseek_model("v3", tmp_path / "hf")
+    folder, expected = write_fp8_from_folder(tmp_path / "hf", tmp_path / "fp8")
+    llm = LLM(str(folder), **OPTIONS)
+    layers = llm.engine.runner.params["layers"]
+    for i, layer in enumerate(layers):
+        attn = layer["attn"]
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
+            assert isinstance(attn[name]["kernel"], packed.PackedFp8Blocks), (i, name)
+        assert len(attn["k_up"]) == 4 and attn["k_up"][0]["kernel"].dtype != jnp.float8_e4m3fn
+    assert layers[1]["moe"]["gate_up_proj"]["kernel"].kind == "fp8_blocks"
+    assert isinstance(layers[1]["moe"]["gate_up_proj"]["kernel"], packed_experts.PackedExperts)
+    model = tf.DeepseekV3ForCausalLM.from_pretrained(
+        dequantized_folder(tmp_path / "hf", tmp_path / "dq", expected),
+        attn_implementation="eager", experts_implementation="eager").float().eval()
+    ours = [r.token_ids for r in llm.generate(PROMPTS[1:3], GREEDY)]
+    assert ours == [greedy_reference(model, p, GREEDY.max_tokens) for p in PROMPTS[1:3]]

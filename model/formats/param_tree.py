@@ -113,16 +113,28 @@ class ParamFiller:
         self.experts: dict[Path, dict[int, dict[int, object]]] = {}  # path -> layer -> expert
         self.notes: list[str] = []  # what the log should say about forms and fallbacks
 
-    def declared(self, path: Path) -> tuple[int, ...]:
-        """The shape the model declares at `path` (layers stacked on a leading axis)."""
-        node = self.abstract
-        try:
-            for p in path:
-                node = node[p]
-        except (KeyError, TypeError):
-            raise WeightsError(f"{'/'.join(path)} does not belong in a "
-                               f"{self.cfg.architecture} with this config") from None
-        return tuple(node.shape)
+    def declared(self, path: Path, layer: int | None = None) -> tuple[int, ...]:
+        """The shape the model declares at `path` (layers stacked on a leading axis). Where
+        layers differ (dense and MoE mixed, a list of trees), `layer`'s, or the first layer
+        that has the path."""
+        return tuple(self._node(path, layer).shape)
+
+    def _node(self, path: Path, layer: int | None = None):
+        layers = self.abstract["layers"]
+        if path[0] == "layers" and isinstance(layers, list):
+            trees = [layers[layer]] if layer is not None and 0 <= layer < len(layers) \
+                else layers
+            for tree in trees:
+                node = _find(tree, path[1:])
+                if node is not None:
+                    return jax.ShapeDtypeStruct((len(layers), *node.shape), node.dtype)
+        else:
+            node = _find(self.abstract, path)
+            if node is not None:
+                return node
+        raise WeightsError(f"{'/'.join(path)} does not belong in a "
+                           f"{self.cfg.architecture} with this config"
+                           + (f" (layer {layer})" if layer is not None else ""))
 
     def set(self, path: Path, layer: int | None, value, name: str,
             expert: int | None = None) -> None:
@@ -132,7 +144,7 @@ class ParamFiller:
         layer's [E, ...] weight this is."""
         if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
             return  # a tied checkpoint may still store the (identical) head
-        declared = self.declared(path)
+        declared = self.declared(path, layer)
         want = declared[1:] if path[0] == "layers" else declared
         if path[0] == "layers" and (layer is None or not 0 <= layer < declared[0]):
             raise WeightsError(f"tensor {name!r}: layer {layer} but the config has "
@@ -160,8 +172,10 @@ class ParamFiller:
         come in different forms (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K), a list
         of per-layer trees, each weight in its own layer's form (model/runtime_params.py
         prepares either)."""
-        params = jax.tree.map(lambda a: None, self.abstract)
         missing = self._stack_experts()
+        if isinstance(self.abstract["layers"], list):
+            return self._finish_per_layer(missing)
+        params = jax.tree.map(lambda a: None, self.abstract)
         num_layers = self.cfg.num_layers
         for path, a in _flatten(self.abstract):
             if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
@@ -170,7 +184,7 @@ class ParamFiller:
                 if path not in self.top:
                     missing.append("/".join(path))
                     continue
-                _put(params, path, self._float_or_keep(self.top[path]))
+                _put(params, path, self._float_or_keep(self.top[path], a.dtype))
                 continue
             got = self.layers.get(path, {})
             absent = [i for i in range(num_layers) if i not in got]
@@ -201,8 +215,8 @@ class ParamFiller:
         -> what is missing."""
         missing = []
         for path, by_layer in self.experts.items():
-            num = self.declared(path)[1]
             for layer, got in sorted(by_layer.items()):
+                num = self.declared(path, layer)[1]
                 absent = [e for e in range(num) if e not in got]
                 if absent:
                     missing.append(f"{'/'.join(path)} (layer {layer}, experts {absent[:4]})")
@@ -215,16 +229,47 @@ class ParamFiller:
                 self.layers.setdefault(path, {})[layer] = _stack(values)
         return missing
 
+    def _finish_per_layer(self, missing: list[str]) -> dict:
+        """A model whose layers differ (dense and MoE mixed): a list of per-layer trees, each
+        weight in its declared dtype where it is float."""
+        top = {k: v for k, v in self.abstract.items() if k != "layers"}
+        params = jax.tree.map(lambda a: None, top)
+        for path, a in _flatten(top):
+            if path[0] == "lm_head" and self.cfg.tie_word_embeddings:
+                continue
+            if path not in self.top:
+                missing.append("/".join(path))
+                continue
+            _put(params, path, self._float_or_keep(self.top[path], a.dtype))
+        layers = []
+        for i, tree in enumerate(self.abstract["layers"]):
+            out = jax.tree.map(lambda a: None, tree)
+            for sub, a in _flatten(tree):
+                got = self.layers.get(("layers", *sub), {})
+                if i not in got:
+                    missing.append("/".join(("layers", *sub)) + f" (layer {i})")
+                    continue
+                _put(out, sub, self._float_or_keep(got[i], a.dtype))
+            layers.append(out)
+        if missing:
+            raise WeightsError("missing tensor(s): " + ", ".join(missing[:5])
+                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        params["layers"] = layers
+        return params
+
     def describe(self, value) -> str:
         """A kernel's form as stored (a float array in the model's dtype) and the kernel that
         runs it, for the start-up log."""
         stored = np.dtype(self.dtype).name if isinstance(value, np.ndarray) else form(value)
         return f"{stored} on {kernel(value)}"
 
-    def _float_or_keep(self, value):
+    def _float_or_keep(self, value, dtype=None):
+        """A quantized form as it is; a float array in `dtype` where the model declares
+        float32 (a router), else the model's dtype."""
         if isinstance(value, QUANTIZED):
             return value
-        return value.astype(self.dtype)
+        keep32 = dtype is not None and np.dtype(dtype) == np.float32
+        return value.astype(np.float32 if keep32 else self.dtype)
 
 
 
@@ -234,6 +279,14 @@ def _stack(values: list):
         stacked = [np.stack(parts) for parts in zip(*(_parts(v) for v in values))]
         return dataclasses.replace(values[0], **dict(zip(_array_fields(values[0]), stacked)))
     return np.stack(values)
+
+
+def _find(tree, path: Path):
+    for p in path:
+        if not isinstance(tree, dict) or p not in tree:
+            return None
+        tree = tree[p]
+    return None if isinstance(tree, dict) else tree
 
 
 def _flatten(tree, prefix: Path = ()):

@@ -27,6 +27,7 @@ from model.config import ModelConfig
 from model.formats import FormatError
 from model.formats.int_groups import to_our_form
 from model.formats.param_tree import ParamFiller
+from model import latent_weights
 from model.hf_weights import _IGNORED, WeightsError, _locate, _target, safetensors_files
 from quant.recipe import FLOAT_KERNELS
 
@@ -197,12 +198,15 @@ def _plain_weight(module: ModuleTensors, describe: str) -> np.ndarray:
 def load_quantized_folder(folder: Path, cfg: ModelConfig, read_linear: LinearReader,
                           describe: str) -> tuple[dict, list[str]]:
     """-> (parameter tree of numpy leaves, log lines: the format and each kernel's form)."""
-    getters = _folder_tensors(folder)
+    getters = latent_getters(_folder_tensors(folder), cfg, describe, _block_rows(folder))
     by_module: dict[str, dict[str, Getter]] = defaultdict(dict)
+    kv_b: dict[str, dict[str, Getter]] = defaultdict(dict)
     rest = []
     for name, get in getters.items():
         prefix, _, suffix = name.rpartition(".")
-        if linear_path(prefix) is not None:
+        if cfg.latent and latent_weights.KV_B.fullmatch(prefix + ".weight"):
+            kv_b[prefix][suffix] = get
+        elif linear_path(prefix) is not None:
             by_module[prefix][suffix] = get
         else:
             rest.append(name)
@@ -222,6 +226,8 @@ def load_quantized_folder(folder: Path, cfg: ModelConfig, read_linear: LinearRea
         if "bias" in tensors:
             bias = module.get("bias", (module.shape[1],), "float")
             filler.set(path[:-1] + ("bias",), layer, bias, prefix + ".bias", expert)
+    for prefix, tensors in sorted(kv_b.items()):
+        _absorbed_projections(prefix, tensors, cfg, read_linear, describe, filler)
     for name in rest:
         target = _target(name, cfg)
         if target is None:
@@ -239,6 +245,57 @@ def load_quantized_folder(folder: Path, cfg: ModelConfig, read_linear: LinearRea
     log += [f"  {kind}: {', '.join(sorted(f))}" for kind, f in sorted(forms.items())]
     log += [f"  {note}" for note in [*getattr(read_linear, "notes", []), *filler.notes]]
     return params, log
+
+
+def _block_rows(folder: Path) -> int | None:
+    """The output rows a block scale covers (fp8's weight_block_size), else None."""
+    import json
+    config = json.loads((folder / "config.json").read_text())
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    return int(block[0]) if block else None
+
+
+def latent_getters(getters: dict[str, Getter], cfg: ModelConfig, describe: str,
+                   block_rows: int | None = None) -> dict[str, Getter]:
+    """A latent-attention model's tensors as the main layers take them: next-n prediction
+    layers left out (speculative decoding's mtp reads them), and, where the rope dims come
+    in interleaved pairs, the query and latent projections' rope rows put in rotate-half
+    order as they are read (model/latent_weights.py). Their scales stay: each rope span
+    lies inside one block of rows, which is checked."""
+    if not cfg.num_mtp_layers and not cfg.rope_interleaved:
+        return getters
+    if cfg.rope_interleaved and block_rows and not latent_weights.rope_in_blocks(cfg, block_rows):
+        raise WeightsError(f"a {describe} checkpoint whose rope rows cross its {block_rows}-row "
+                           "scale blocks: their interleaved order cannot be undone in place")
+    out = {}
+    for name, get in getters.items():
+        if latent_weights.is_mtp_layer(name, cfg):
+            continue
+        if latent_weights.deinterleave_rope(name, None, cfg, check=True) is not None:
+            suffix = name.rpartition(".")[2]
+            if suffix in ("weight_scale_inv", "weight_scale", "input_scale"):
+                out[name] = get  # per block of rows, each rope span inside one
+                continue
+            if suffix not in ("weight", "bias"):
+                raise WeightsError(f"tensor {name!r}: the interleaved rope rows of a {describe} "
+                                   "checkpoint are not read (fp8 and float ones are)")
+            get = (lambda g, n: lambda: latent_weights.deinterleave_rope(n, g(), cfg))(get, name)
+        out[name] = get
+    return out
+
+
+def _absorbed_projections(prefix: str, tensors: dict, cfg: ModelConfig, read_linear,
+                          describe: str, filler) -> None:
+    """kv_b_proj, in whatever form it is stored, dequantized and split into each head's
+    absorbed projections (kept in float, as the attention multiplies by them per head)."""
+    from model.formats.param_tree import dequantize_np
+    n = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    module = ModuleTensors(prefix, tensors, (cfg.kv_lora_rank, n))
+    value = read_linear(module)
+    w = _plain_weight(module, describe) if value is None else dequantize_np(value)
+    layer, parts = latent_weights.split_kv_b(prefix + ".weight", np.asarray(w).T, cfg)
+    for path, part, _ in parts:
+        filler.set(path, layer, part, prefix)
 
 
 def int_form(module: ModuleTensors, codes, scale, zero, bits: int, g_idx=None,
