@@ -112,23 +112,24 @@ def load_mtp_params(hf_dir: str | Path, cfg: ModelConfig) -> dict:
         files = hf_weights.safetensors_files(hf_dir)
     except hf_weights.WeightsError:
         files = []  # a converted checkpoint keeps the main layers alone
-    found = {n: f for f in files for n in hf_weights._keys(f) if n.startswith(prefix)}
+    from model.formats.quantized_folder import file_tensors  # reads fp8 tensors too
+    found = {n: get for f in files for n, get in file_tensors(f).items()
+             if n.startswith(prefix)}
     if not found:
         raise MtpWeightsError(f"{hf_dir} holds no next-n prediction layer ({prefix}*): "
                               "speculative method mtp needs the checkpoint's MTP weights (a "
                               "converted checkpoint keeps the main layers alone: serve the "
                               "Hugging Face folder)")
     block = _fp8_block(hf_dir)
-    opened, filled = {}, set()
+    filled = set()
     mcfg = replace(cfg, num_layers=cfg.num_layers + 1)  # the stored layer index, for rope rows
-    for name, file in found.items():
+    for name, get in found.items():
         rest = name[len(prefix):]
         if rest in _SHARED or rest.endswith(_SCALE):
             continue
-        value = hf_weights._open(opened, file).get_tensor(name)
+        value = get()
         if name + _SCALE in found:  # fp8 with block scales: the layer is kept in float
-            scales = hf_weights._open(opened, found[name + _SCALE]).get_tensor(name + _SCALE)
-            value = _dequantize_blocks(value, scales, block)
+            value = _dequantize_blocks(value, found[name + _SCALE](), block)
         main_name = "model.layers.0." + rest
         value = latent_weights.deinterleave_rope(main_name, value, mcfg)
         if rest in _OWN:
@@ -144,7 +145,7 @@ def load_mtp_params(hf_dir: str | Path, cfg: ModelConfig) -> dict:
         if parts is None:
             found_at = hf_weights._locate(main_name)
             if found_at is None:
-                raise MtpWeightsError(f"unexpected tensor {name!r} in {file.name}")
+                raise MtpWeightsError(f"unexpected tensor {name!r} in {hf_dir}")
             path, _, expert, transpose = found_at
             parts = [(path, value.T if transpose else value, transpose)]
         else:

@@ -123,3 +123,18 @@ def test_refused_configurations(folder, tmp_path):
     with pytest.raises(ValueError, match="holds no next-n prediction layer"):
         LLM(str(converted), speculative_config={"method": "deepseek_mtp",
                                                 "num_speculative_tokens": 1}, **OPTIONS)
+
+
+def test_the_layer_of_an_fp8_block_checkpoint_is_read_dequantized(folder, tmp_path):
+    """DeepSeek-V3 ships its next-n layer in fp8 with block scales like the rest: read into
+    float as the format's own dequantization gives it (the same numbers as the dequantized
+    float folder's)."""
+    from model.config import ModelConfig
+    from tests.quantized_tiny import dequantized_folder, write_fp8_from_folder
+    fp8, expected = write_fp8_from_folder(folder, tmp_path / "fp8")
+    assert any(name.startswith("model.layers.3.") for name in expected)
+    cfg = ModelConfig.from_dir(fp8)
+    got = load_mtp_params(fp8, cfg)
+    want = load_mtp_params(dequantized_folder(folder, tmp_path / "dq", expected), cfg)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
