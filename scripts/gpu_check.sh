@@ -3,10 +3,10 @@
 # and the project preinstalled), so a 15-minute device lease can run it twice:
 #   part             budget  what
 #   device-info        10 s  GPU, driver, JAX's view of its memory
-#   kernel-tests       55 s  both Pallas kernels (pallas, pallas_pages) natively against the
+#   kernel-tests       45 s  both Pallas kernels (pallas, pallas_pages) natively against the
 #                            reference, with windows, sinks and soft-caps too, and in the
 #                            engine on random and real (demo) weights
-#   bench-kernels      40 s  decode attention bandwidth of both kernels vs copy bandwidth (the
+#   bench-kernels      30 s  decode attention bandwidth of both kernels vs copy bandwidth (the
 #                            goal cases, then a window at 4x its context, gpt-oss's sinks
 #                            with and without its window, Gemma 2's soft-cap), then a tile
 #                            sweep (--tune) in what is left
@@ -15,19 +15,19 @@
 #                            decode latent GB/s vs copy bandwidth at H=16/128, batch 1/32/128,
 #                            context 1k/8k, as many as fit (scripts/bench_mla_decode.py). Its
 #                            30 s come out of what moe-grouped, last, is left
-#   engine-8b-cold    100 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
+#   engine-8b-cold     80 s  Llama-3.1-8B-shaped bf16 dummy engine, default memory sizing
 #                            (the plan, peak memory), cold warm-up, decode tok/s at batch
 #                            1/64/256 over steps where the whole batch decodes, and per
 #                            batch the host's phases, the device alone and the host time
 #                            on the path (what the device waits for between steps)
 #   engine-8b-warm     35 s  the same engine restarted: warm-up from the compilation cache
-#   engine-8b-sync     45 s  engine-8b-cold's decode with --no-async-scheduling (warm)
+#   engine-8b-sync     30 s  engine-8b-cold's decode with --no-async-scheduling (warm)
 #   quant-hlo          20 s  the GEMM XLA chose for int8 / fp8 weights (8B MLP shape)
 #   quant-hlo-blocks   40 s  fp8 with 128 x 128 block scales (DeepSeek-V3's form) against fp8
 #                            per channel and bf16 at DeepSeek-V3's expert shapes, 7168 x 2048
 #                            and 2048 x 7168, at 1/16/64/1024 rows: the GEMM XLA chose, time,
 #                            weight bandwidth (rows written as they finish)
-#   serve-8b           65 s  `python -m serving serve` on that model: /health, one streamed
+#   serve-8b           45 s  `python -m serving serve` on that model: /health, one streamed
 #                            completion
 #   tensor-parallel    90 s  (after engine-8b-warm) only with more than one GPU: the 8B-shaped engine at TP=1 and at
 #                            TP=N (N = the GPUs, at most 8), decode tok/s at batch 1/64
@@ -121,12 +121,12 @@ else
   BLOCK_SHAPES=(7168x2048 2048x7168) BLOCK_ARGS=(--m 1,16,64,1024 --iters 20)
 fi
 
-XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 55 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+XLASERVE_KERNELS_NATIVE=$NATIVE run kernel-tests 45 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
   "${KERNEL_TESTS[@]}"
 grep -E "passed|failed|error|FAILED|ERROR|SKIPPED" "$LOGDIR/kernel-tests.log" | tail -15 \
   >> "$TABLE" || true
 
-run bench-kernels 40 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 33 \
+run bench-kernels 30 "$PY" scripts/bench_kernels.py "${KERNEL_ARGS[@]}" --max-seconds 24 \
   --out "$TABLE"
 
 run mla-decode 30 "$PY" scripts/bench_mla_decode.py "${MLA_ARGS[@]}" --max-seconds 25 \
@@ -134,13 +134,13 @@ run mla-decode 30 "$PY" scripts/bench_mla_decode.py "${MLA_ARGS[@]}" --max-secon
 
 DECODE=("$PY" scripts/bench_decode.py "${SHAPE[@]}" --default-sizing --prompt-len 128
         --max-model-len 1024 --compilation-cache-dir "$WORK/jax-cache" --out "$TABLE")
-run engine-8b-cold 100 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 64 \
-  --max-seconds 85
+run engine-8b-cold 80 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 64 \
+  --max-seconds 68
 run engine-8b-warm 35 "${DECODE[@]}" --batch-sizes "$BATCHES" --warmup-only
 # The same decode with each step fetched before the next is scheduled: against
 # engine-8b-cold's rows, what async scheduling takes off the path.
-run engine-8b-sync 45 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 32 \
-  --max-seconds 35 --no-async-scheduling
+run engine-8b-sync 30 "${DECODE[@]}" --batch-sizes "$BATCHES" --output-len 32 \
+  --max-seconds 22 --no-async-scheduling
 
 # Tensor parallelism needs GPUs to split over; with one GPU nothing runs (not even a line).
 NUM_GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU")
@@ -162,7 +162,7 @@ run quant-hlo-blocks 40 bash -c '
       "$@" --out "$table" || exit $?
   done' _ "$PY" "$TABLE" "${BLOCK_SHAPES[*]}" "${BLOCK_ARGS[@]}"
 
-run serve-8b 65 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$MODEL" \
+run serve-8b 45 "$PY" scripts/serve_check.py --shape "$SERVE_SHAPE" --folder "$MODEL" \
   --out "$TABLE"
 
 # The flagged run is a second process (XLA reads XLA_FLAGS once); if the flag makes XLA
