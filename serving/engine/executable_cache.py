@@ -51,7 +51,7 @@ _CODE = ("model", "pallas_kernels", "quant", "serving/engine/runner.py",
          "serving/engine/sampler.py", "serving/engine/prompt_logprobs.py",
          "serving/engine/pooling.py", "serving/engine/rejection_sampler.py",
          "serving/engine/token_bitmask.py", "serving/engine/draft_model.py",
-         "serving/engine/executable_cache.py")
+         "serving/engine/mtp_drafter.py", "serving/engine/executable_cache.py")
 
 
 @functools.cache
