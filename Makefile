@@ -16,4 +16,4 @@ test: setup-test
 # The suite with each module's time and memory written to build/test-budget.md.
 test-budget: setup-test
 	mkdir -p build
-	.venv/bin/python -m pytest -q --budget-report build/test-budget.md $(ARGS)
+	.venv/bin/python -m pytest -q --budget-report=build/test-budget.md $(ARGS)
