@@ -14,7 +14,6 @@ transformers' shifted positions.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -181,4 +180,4 @@ def _dequantize_blocks(values, scales, block: tuple[int, int]):
 
 
 def is_mtp_method(method: str) -> bool:
-    return re.fullmatch(r"(deepseek_)?mtp", method) is not None
+    return method in ("mtp", "deepseek_mtp")

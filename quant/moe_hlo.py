@@ -122,8 +122,8 @@ def expert_mlp(backend: str):
 
 
 def lower_for_cuda(fn, *args, device=None):
-    """fn lowered for CUDA on this host (the AbstractDevice H200 of DESIGN.md), args
-    placed on `device` (a compile-only H200) where given."""
+    """fn lowered for CUDA on this host (an abstract H200: docs/architecture.md, "Kernels
+    and their references"), args placed on `device` (a compile-only H200) where given."""
     if device is not None:
         sharding = jax.sharding.SingleDeviceSharding(device)
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
