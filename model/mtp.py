@@ -60,11 +60,23 @@ def mtp_hidden(params, mtp, cache: KVCache, batch: Batch, hidden, next_ids, cfg:
                backend: str = "reference"):
     """The main model's step hidden states [T, hidden_size] (before its final norm) and each
     token's next token int32[T] -> (h' [T, hidden_size], the layer's cache)."""
-    mcfg = mtp_config(cfg)
-    h = final_norm(params, hidden, cfg)
+    return mtp_apply(params, mtp, cache, batch, final_norm(params, hidden, cfg), next_ids, cfg,
+                     backend)
+
+
+def mtp_apply(params, mtp, cache: KVCache, batch: Batch, normed, next_ids, cfg: ModelConfig,
+              backend: str = "reference"):
+    """The layer over normed states [T, hidden_size]: the main model's after its final norm,
+    or, chained, the layer's own output after its head norm (mtp_chain_state)."""
     e = embed(params["embed"], next_ids, cfg.dtype)
     variables = {"params": {k: v for k, v in mtp.items() if k != "head_norm"}}
-    return MtpBlock(mcfg, backend).apply(variables, e, h, cache, batch)
+    return MtpBlock(mtp_config(cfg), backend).apply(variables, e, normed, cache, batch)
+
+
+def mtp_chain_state(mtp, rows, cfg: ModelConfig):
+    """h' rows -> the state a chained step starts from: the rows after the layer's head
+    norm, as transformers' MtpLayer passes its post-normed output to the next depth."""
+    return final_norm({"final_norm": mtp["head_norm"]}, rows, cfg)
 
 
 def mtp_logits(params, mtp, rows, cfg: ModelConfig):

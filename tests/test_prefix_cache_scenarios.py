@@ -10,8 +10,9 @@ After every step and every operation the books are checked:
   writes only to pages nobody else holds and that are not cached;
 - a cached page's hash matches the tokens it holds;
 - once every request has ended, no page is referenced;
-- with speculation (random proposals, random acceptance), K/V written for a rejected
-  proposed token is never read or cached, and its pages go back;
+- with speculation (random proposals, random acceptance, at times pages taken for a
+  look-ahead past each sampling step), K/V written for a rejected proposed token is never
+  read or cached, and its pages go back;
 - on a sliding-window model, every key a step reads is still held (pages behind the window
   are SINK entries, a leading run), and a request holds no more pages than the window
   bound the scheduler admits by.
@@ -119,7 +120,11 @@ def check_plan(sched: Scheduler, out: SchedulerOutput, was_waiting: set[str]) ->
         assert s.samples == (end - k == r.num_tokens)
         assert not k or (s.num_new_tokens == k + 1 and end < cfg.max_model_len)
         assert s.page_ids == sched.page_ids(r.request_id)
-        assert len(s.page_ids) == cdiv(end, cfg.page_size)
+        if not cfg.num_lookahead_tokens:
+            assert len(s.page_ids) == cdiv(end, cfg.page_size)
+        else:  # a look-ahead (this step's, or an earlier one's past up to 4 proposals)
+            most = min(end + cfg.num_lookahead_tokens + 4, cfg.max_model_len)
+            assert cdiv(end, cfg.page_size) <= len(s.page_ids) <= cdiv(most, cfg.page_size)
         if r.request_id in was_waiting:  # admitted now: a hit is whole pages, never all
             assert s.start % cfg.page_size == 0 and s.start < r.num_tokens
             if r.sampling_params.prompt_logprobs is not None or not cfg.enable_prefix_caching:
@@ -186,7 +191,9 @@ def run_scenario(seed: int, num_ops: int, speculate: bool = False,
                           num_pages=1 + rng.choice([48, 64, 128]) // page_size,
                           long_prefill_token_threshold=rng.choice([0, 0, 5]),
                           enable_prefix_caching=seed % 4 != 3, model_key=f"model-{seed}",
-                          sliding_window=window)
+                          sliding_window=window,
+                          # MTP's chained guesses take pages past a sampling step's tokens
+                          num_lookahead_tokens=rng.choice([0, 3]) if speculate else 0)
     sched, work = Scheduler(cfg), Workload(rng)
     device = FakeDevice(sched)
     order, expected = {}, {}

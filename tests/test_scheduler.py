@@ -325,3 +325,40 @@ def test_prompt_plus_max_tokens_beyond_max_model_len_is_accepted():
     assert sched.num_waiting == 1
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("a", 3))
+
+
+# -- look-ahead pages (MTP's chained guesses) ---------------------------------------------
+
+def pages_then_step(sched: Scheduler) -> tuple[list[int], list[bool]]:
+    """Each scheduled request's page count as the step runs (before update), and whether it
+    samples; then the step is applied."""
+    out = sched.schedule()
+    counts = [len(s.page_ids) for s in out.scheduled]
+    sched.update(out, [7 if s.samples else None for s in out.scheduled])
+    return counts, [s.samples for s in out.scheduled]
+
+
+def test_a_sampling_step_takes_pages_for_its_look_ahead_and_gives_them_back_after():
+    sched = make_scheduler(max_num_batched_tokens=8, num_lookahead_tokens=2, max_model_len=16)
+    sched.add_request(make_request("a", 11, max_tokens=40))
+    # a chunk of 8 does not sample, so no look-ahead; the last 3 prompt tokens sample, with
+    # pages for 11 + 2 positions; then decodes at 11 .. 14 (capped at max_model_len, 16)
+    got = [pages_then_step(sched) for _ in range(5)]
+    assert got == [([2], [False]), ([4], [True]), ([4], [True]), ([4], [True]), ([4], [True])]
+    sched = make_scheduler(num_lookahead_tokens=2)
+    sched.add_request(make_request("b", 5))
+    assert pages_then_step(sched) == ([2], [True])  # 5 + 2 positions
+    assert pages_then_step(sched) == ([2], [True])  # position 5: 6 + 2
+    assert pages_then_step(sched) == ([3], [True])  # position 6: 7 + 2 -> 3 pages
+    assert len(sched.page_ids("b")) == 2  # 7 computed: the look-ahead page went back
+
+
+def test_look_ahead_is_dropped_where_pages_are_short():
+    # 4 pages besides the sink: "a" (7 tokens, 4 ahead) takes 3; "b" (4 tokens) would take 2
+    # with its look-ahead, so it takes its 1 without.
+    sched = make_scheduler(num_pages=5, num_lookahead_tokens=4)
+    sched.add_request(make_request("a", 7))
+    sched.add_request(make_request("b", 4))
+    out = sched.schedule()
+    assert [len(s.page_ids) for s in out.scheduled] == [3, 1]
+    assert not out.preempted and sched.allocator.num_free_pages == 0

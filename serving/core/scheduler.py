@@ -33,6 +33,9 @@ class SchedulerConfig:
     # (sink included) of their own pool; 0: one page table for every layer.
     window_group: int = 0
     window_num_pages: int = 0
+    # Positions past a sampling step's tokens that get pages with it (MTP's chained guesses
+    # write their latents there: serving/engine/mtp_drafter.py); 0: none
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -215,8 +218,12 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             k = (num_drafts(req, n, budget, self._spare_rows, self._max_len)
                  if req.spec_token_ids else 0)
-            while not self.kv_cache_manager.allocate_slots(req, n + k):
-                if k:  # short of pages: verify nothing before preempting anyone
+            ahead = self._lookahead(req, n + k)
+            while not self.kv_cache_manager.allocate_slots(req, n + k + ahead):
+                if ahead:  # short of pages: no look-ahead, then verify nothing, then preempt
+                    ahead = 0
+                    continue
+                if k:
                     k = 0
                     continue
                 victim = self.running[-1]
@@ -247,7 +254,9 @@ class Scheduler:
             if not loaded:
                 req.num_computed_tokens = len(hit) * self.config.page_size
             n = self._num_new_tokens(req, budget)
-            if not self.kv_cache_manager.allocate_slots(req, n, hit):
+            ahead = self._lookahead(req, n)
+            if not (self.kv_cache_manager.allocate_slots(req, n + ahead, hit) or ahead and
+                    self.kv_cache_manager.allocate_slots(req, n, hit)):
                 if not loaded:
                     req.num_computed_tokens = 0
                 break  # strict FCFS: later requests do not overtake the head of the queue
@@ -289,6 +298,20 @@ class Scheduler:
     @staticmethod
     def _used_rows(out: SchedulerOutput) -> int:
         return sum(len(s.spec_token_ids) for s in out.scheduled)
+
+    def _drop_lookahead(self, req: Request) -> None:
+        """After the step: its look-ahead pages go back (the next step takes its own), so
+        between steps a request holds the pages of its computed tokens alone."""
+        if self.config.num_lookahead_tokens:
+            self.kv_cache_manager.trim(req)
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """The look-ahead positions a step of n tokens for req also takes pages for: only
+        where the step samples, and never past the longest sequence."""
+        end = req.num_computed_tokens + n
+        if not self.config.num_lookahead_tokens or end < req.num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self._max_len - end))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -342,6 +365,7 @@ class Scheduler:
             self.kv_cache_manager.cache_computed(req)
             if not sr.samples:
                 continue
+            self._drop_lookahead(req)
             if req.pooling_params is not None:  # its prompt is computed: done, no token
                 self.running.remove(req)
                 self._finish(req, RequestStatus.FINISHED_STOPPED, None)
@@ -371,6 +395,7 @@ class Scheduler:
             self.kv_cache_manager.cache_computed(req)
             if not sr.samples:
                 continue
+            self._drop_lookahead(req)
             ahead.append((req, req.num_output_tokens))
             req.output_token_ids.append(PLACEHOLDER_TOKEN)
             self.num_generation_tokens_total += 1

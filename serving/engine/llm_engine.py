@@ -178,7 +178,8 @@ class LLMEngine:
             self.num_pages, enable_prefix_caching=ec.enable_prefix_caching,
             model_key=model_key(self.model_dir, ec),
             max_loras=self.lora.config.max_loras if self.lora else 0, sliding_window=window,
-            window_group=pool.window if pool else 0, window_num_pages=self.window_num_pages))
+            window_group=pool.window if pool else 0, window_num_pages=self.window_num_pages,
+            num_lookahead_tokens=self.mtp.k - 1 if self.mtp else 0))
         self.input_batch = InputBatch(self.buckets, ec.page_size, ec.max_num_seqs,
                                       self.runner.bitmask_width,
                                       self.embedder and self.embedder.pooler.pooling_type)

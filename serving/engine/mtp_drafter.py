@@ -1,5 +1,5 @@
 """Multi-token prediction as speculative decoding (`{"method": "mtp", "num_speculative_tokens":
-1}`, vLLM's name; `deepseek_mtp` too): the checkpoint's next-n layer (model/mtp.py) drafts
+k}`, vLLM's name; `deepseek_mtp` too): the checkpoint's next-n layer (model/mtp.py) drafts
 from the target's own hidden states, with a latent cache of its own beside the target's.
 
 Right after each target step is launched, one program of the same bucket shape runs the
@@ -7,16 +7,22 @@ layer over every token of that step, on the device, from the step's outputs: tok
 hidden state h_i and the token after it (the next prompt token, known on the host, or, at a
 sampled row, the token the target just drew there). It writes the layer's latent for each
 position, addressed with the target's page ids (so prefilled, verified and prefix-cached
-positions hold it for later steps), and returns its greedy guess at every sampled row. After
-the step, each request that may verify proposes the guess of its last emitted row: the
-token after the one it just got. A draft never changes what is emitted: the target's
-verification (serving/engine/rejection_sampler.py) accepts a greedy proposal with
-probability p(d), so greedy and seeded outputs equal plain decoding.
+positions hold it for later steps), and has its greedy guess at every sampled row.
 
-One guess a step: the released checkpoints have one next-n layer, and a second guess would
-reuse it on positions whose pages the step has not allocated (vLLM's reuse); a larger
-num_speculative_tokens is refused at start-up. The drafter compiles one program per target
-step shape at warm-up.
+For k > 1 the same layer then runs k - 1 more times, chained as transformers' MtpModel
+chains depths: at each request's last emitted row (found on the device from the step's
+accepted rows), from its own head-normed output and its last guess, one position further
+each time, writing its latent there. The scheduler gives a sampling step pages for those
+positions (SchedulerConfig.num_lookahead_tokens; where pages are short, or past the page
+table, a write lands on the sink page, which only costs the guess). The next step's pass
+rewrites them from the real tokens. The released checkpoints have one next-n layer; vLLM reuses
+it the same way.
+
+After the step, each request that may verify proposes the guesses of its last emitted row:
+the tokens after the one it just got. A draft never changes what is emitted: the target's
+verification (serving/engine/rejection_sampler.py) accepts a greedy proposal with
+probability p(d), so greedy and seeded outputs equal plain decoding. The drafter compiles
+one program per target step shape at warm-up.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ import numpy as np
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, bytes_per_page
-from model.mtp import load_mtp_params, mtp_config, mtp_hidden, mtp_logits, prepare_mtp
+from model.mtp import (load_mtp_params, mtp_apply, mtp_chain_state, mtp_config, mtp_hidden,
+                       mtp_logits, prepare_mtp)
 from serving.core.request import Request
 from serving.core.scheduler import SchedulerOutput
 from serving.core.spec_config import SpeculativeConfig
@@ -44,13 +51,10 @@ from serving.engine.prompt_logprobs import BLOCK_ROWS
 
 log = logging.getLogger("xlaserve")
 
-_FIELDS = ("positions", "slot_mapping", "req_indices", "page_table", "logits_indices",
-           "next_ids", "next_rows")
-
-
-def _draft(params, mtp, cache, arrays, blocks, sampled, *, cfg: ModelConfig, backend: str,
-           vocab_size: int):
-    """-> (i32[R] the layer's greedy guess at each sampled row, the layer's cache)."""
+def _draft(params, mtp, cache, arrays, blocks, sampled, emitted, *, cfg: ModelConfig,
+           backend: str, vocab_size: int, k: int):
+    """-> (i32[R, k] the layer's greedy guesses from each sampled row, the layer's cache).
+    Column 0 at every sampled row; columns 1.. only at each request's last emitted row."""
     T = arrays["positions"].shape[0]
     hidden = jnp.concatenate(blocks)[:T]
     rows = arrays["next_rows"]
@@ -58,8 +62,44 @@ def _draft(params, mtp, cache, arrays, blocks, sampled, *, cfg: ModelConfig, bac
     batch = Batch(next_ids, arrays["positions"], arrays["slot_mapping"],
                   arrays["req_indices"], arrays["page_table"], arrays["logits_indices"])
     h, cache = mtp_hidden(params, mtp, cache, batch, hidden, next_ids, cfg, backend)
-    logits = mtp_logits(params, mtp, h[batch.logits_indices], cfg)[:, :vocab_size]
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    greedy = lambda x: jnp.argmax(mtp_logits(params, mtp, x, cfg)[:, :vocab_size],
+                                  axis=-1).astype(jnp.int32)
+    x = h[batch.logits_indices]
+    guess = greedy(x)
+    out = jnp.zeros((guess.shape[0], k), jnp.int32).at[:, 0].set(guess)
+    if k == 1:
+        return out, cache
+    live = _last_emitted(emitted, arrays["row_start"], arrays["num_rows"])
+    R, P = batch.page_table.shape
+    ps = cache.page_size
+    req = batch.req_indices[batch.logits_indices]
+    last = batch.positions[batch.logits_indices]
+
+    def chained(j, carry):
+        cache, x, guess, out = carry
+        pos = last + j
+        ok = live & (pos // ps < P)  # past the page table: the row rests
+        page = batch.page_table[req, jnp.minimum(pos // ps, P - 1)]
+        step = Batch(guess, jnp.where(ok, pos, 0), jnp.where(ok, page * ps + pos % ps,
+                                                              SINK_SLOT),
+                     req, batch.page_table, jnp.arange(R, dtype=jnp.int32))
+        x, cache = mtp_apply(params, mtp, cache, step, mtp_chain_state(mtp, x, cfg), guess,
+                             cfg, backend)
+        guess = greedy(x)
+        return cache, x, guess, out.at[:, j].set(guess)
+
+    cache, _, _, out = jax.lax.fori_loop(1, k, chained, (cache, x, guess, out))
+    return out, cache
+
+
+def _last_emitted(emitted, row_start, num_rows):
+    """bool[R]: the row is its request's last emitted row (the step's real rows are the first
+    num_rows; a request's emitted rows come first among its rows)."""
+    R = emitted.shape[0]
+    real = jnp.arange(R) < num_rows
+    after = jnp.concatenate([emitted[1:] & (row_start[1:] == row_start[:-1]) & real[1:],
+                             jnp.zeros((1,), bool)])
+    return real & emitted & ~after
 
 
 def step_inputs(out: SchedulerOutput, first_rows: list[int], T: int) -> dict[str, np.ndarray]:
@@ -84,16 +124,16 @@ class MtpDrafter:
     """Beside the target like a draft model (serving/engine/draft_model.py): its cache has a
     page for every page of the target's, sized with it."""
 
-    def __init__(self, cfg: ModelConfig, mtp, *, page_size: int, backend: str,
+    def __init__(self, cfg: ModelConfig, mtp, *, k: int, page_size: int, backend: str,
                  kv_cache_dtype: str | None, vocab_size: int, executable_dir: str | None):
-        self.cfg, self.page_size, self.backend = cfg, page_size, backend
+        self.cfg, self.k, self.page_size, self.backend = cfg, k, page_size, backend
         self.kv_cache_dtype, self.vocab_size = kv_cache_dtype, vocab_size
         self.mtp = jax.device_put(prepare_mtp(jax.tree.map(jnp.asarray, mtp)))
         self.page_bytes = bytes_per_page(mtp_config(cfg), page_size, kv_cache_dtype)
         self.cache: KVCache | None = None
         self._executable_dir = executable_dir
-        self._jitted = jax.jit(partial(_draft, cfg=cfg, backend=backend, vocab_size=vocab_size),
-                               donate_argnums=(2,))
+        self._jitted = jax.jit(partial(_draft, cfg=cfg, backend=backend, vocab_size=vocab_size,
+                                       k=k), donate_argnums=(2,))
         self._compiled: dict[tuple[int, int, int], tuple[object, tuple]] = {}
         self._launched = None  # the last step's (out, first rows, emitted, guesses)
         self.shapes: list[tuple[int, int, int]] = []
@@ -105,10 +145,11 @@ class MtpDrafter:
             raise ValueError(f"speculative_config: method {spec.method} needs a model with "
                              f"next-n prediction layers; {cfg.architecture} in {model_dir} "
                              "has none (num_nextn_predict_layers)")
-        if spec.num_speculative_tokens > cfg.num_mtp_layers:
-            raise ValueError(f"speculative_config: method {spec.method} proposes one token a "
-                             f"next-n layer; the model has {cfg.num_mtp_layers}, "
-                             f"num_speculative_tokens is {spec.num_speculative_tokens}")
+        k = spec.num_speculative_tokens
+        if k > cfg.num_mtp_layers:
+            log.info("speculative decoding: %d guesses a step from %d next-n layer(s): the "
+                     "first layer runs %d times, each on its own last guess", k,
+                     cfg.num_mtp_layers, k)
         if ec.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config: method {spec.method} runs on one device; "
                              "with --tensor-parallel-size > 1 use method ngram")
@@ -116,7 +157,7 @@ class MtpDrafter:
         if mtp is None:
             from model.mtp import abstract_mtp
             mtp = jax.tree.map(lambda a: jnp.full(a.shape, 0.02, a.dtype), abstract_mtp(cfg))
-        return cls(cfg, mtp, page_size=ec.page_size, backend=backend,
+        return cls(cfg, mtp, k=k, page_size=ec.page_size, backend=backend,
                    kv_cache_dtype=ec.kv_cache_dtype, vocab_size=vocab_size,
                    executable_dir=executable_dir)
 
@@ -136,11 +177,13 @@ class MtpDrafter:
                         req_indices=np.full(T, R - 1, np.int32),
                         page_table=np.zeros((R, P), np.int32),
                         logits_indices=np.zeros(R, np.int32),
-                        next_ids=np.zeros(T, np.int32), next_rows=np.full(T, -1, np.int32))
+                        next_ids=np.zeros(T, np.int32), next_rows=np.full(T, -1, np.int32),
+                        row_start=np.arange(R, dtype=np.int32), num_rows=np.int32(0))
         batch = step.batch
         return dict(positions=batch["positions"], slot_mapping=batch["slot_mapping"],
                     req_indices=batch["req_indices"], page_table=batch["page_table"],
-                    logits_indices=batch["logits_indices"],
+                    logits_indices=batch["logits_indices"], row_start=batch["row_start"],
+                    num_rows=np.int32(sum(s.num_rows for s in out.scheduled)),
                     **step_inputs(out, step.first_rows, T))
 
     def _args(self, params, shape, arrays):
@@ -148,7 +191,7 @@ class MtpDrafter:
         blocks = tuple(jax.ShapeDtypeStruct((BLOCK_ROWS, self.cfg.hidden_size), self.cfg.dtype)
                        for _ in range(-(-T // BLOCK_ROWS)))
         return (params, self.mtp, self.cache, arrays, blocks,
-                jax.ShapeDtypeStruct((R,), jnp.int32))
+                jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.bool_))
 
     def warmup(self, params, workers: int = 1) -> DraftWarmup:
         """Loads or compiles the program of every target step shape."""
@@ -156,7 +199,7 @@ class MtpDrafter:
         executables = (ExecutableCache(self._executable_dir, dict(
             program="mtp", model=repr(self.cfg), params=avals_signature(params),
             mtp=avals_signature(self.mtp), cache=avals_signature(self.cache),
-            backend=self.backend, vocab_size=self.vocab_size))
+            backend=self.backend, vocab_size=self.vocab_size, k=self.k))
             if self._executable_dir else None)
 
         def compile_one(shape):
@@ -182,13 +225,13 @@ class MtpDrafter:
         program = program_for(self._compiled, step.shape, "mtp", "mtp")
         arrays = jax.device_put(self._arrays(step.shape, out, step))
         guesses, self.cache = program(runner.params, self.mtp, self.cache, arrays, blocks,
-                                      sampled)
+                                      sampled, emitted)
         guesses.copy_to_host_async()
         self._launched = (out, step.first_rows, emitted, guesses)
 
-    def guesses(self) -> dict[str, int]:
-        """The last step's guess for each request it sampled: the guess at its last emitted
-        row (the token after the one the request just got)."""
+    def guesses(self) -> dict[str, list[int]]:
+        """The last step's guesses for each request it sampled: those of its last emitted
+        row (the k tokens after the one the request just got)."""
         if self._launched is None:
             return {}
         out, first_rows, emitted, guesses = self._launched
@@ -198,7 +241,7 @@ class MtpDrafter:
         for s, first in zip(out.scheduled, first_rows):
             count = int(emitted[first:first + s.num_rows].sum()) if s.samples else 0
             if count:
-                found[s.request.request_id] = int(guesses[first + count - 1])
+                found[s.request.request_id] = guesses[first + count - 1].tolist()
         return found
 
 
@@ -212,7 +255,6 @@ class MtpProposer:
     def propose(self, requests: list[Request]) -> None:
         guesses = self.drafter.guesses()
         for req in requests:
-            guess = guesses.get(req.request_id)
             room = min(req.max_tokens - req.num_output_tokens - 1,
                        self.max_len - req.num_tokens - 1)
-            req.spec_token_ids = [guess] if guess is not None and room >= 1 else []
+            req.spec_token_ids = guesses.get(req.request_id, [])[:max(room, 0)]
