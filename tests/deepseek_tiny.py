@@ -73,8 +73,9 @@ def randomized(model):
     return model
 
 
-def tiny_mtp_model(out_dir: Path, seed: int = 0):
-    """A V3 of three layers with a next-n prediction layer, in the format of the released
+def tiny_mtp_model(out_dir: Path, seed: int = 0, variant: str = "v3"):
+    """A V3 (or another VARIANTS entry) of three layers with a next-n prediction layer, in
+    the format of the released
     checkpoints: a four-layer model saved, its last layer becoming `model.layers.3.*` with
     enorm, hnorm, eh_proj and shared_head (random) beside it, and config.json saying three
     layers and num_nextn_predict_layers 1. Returns the folder's layer count."""
@@ -83,7 +84,7 @@ def tiny_mtp_model(out_dir: Path, seed: int = 0):
     import torch
     import transformers as tf
     from safetensors.torch import load_file, save_file
-    config_cls, model_cls, fields = VARIANTS["v3"]
+    config_cls, model_cls, fields = VARIANTS[variant]
     cfg = getattr(tf, config_cls)(**{**COMMON, **fields, "num_hidden_layers": 4,
                                      "num_nextn_predict_layers": 0})
     torch.manual_seed(seed)

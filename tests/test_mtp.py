@@ -1,8 +1,8 @@
 """Multi-token prediction as speculative decoding (model/mtp.py, serving/engine/mtp_drafter.py)
-on a tiny DeepSeek-V3 with a next-n layer: the layer's logits against transformers' MTP head,
-each proposal (three guesses, the layer chained on its own) against that head's greedy
-guesses chained as transformers' MtpModel chains depths, outputs with proposals equal to
-outputs without, and the configurations refused."""
+on a tiny DeepSeek-V3 with a next-n layer: the layer's logits (and GLM-4.5's) against
+transformers' MTP head, each proposal (three guesses, the layer chained on its own) against
+that head's greedy guesses chained as transformers' MtpModel chains depths, outputs with
+proposals equal to outputs without, and the configurations refused."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,15 +34,19 @@ def folder(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def transformers_models(folder):
+def hf_models(folder, architecture="DeepseekV3ForCausalLM"):
     """transformers' main model (its next-n layer left out) and its MtpModel over it."""
     import transformers as tf
     from transformers.modeling_layers import MtpModel
-    main = tf.DeepseekV3ForCausalLM.from_pretrained(
+    main = getattr(tf, architecture).from_pretrained(
         folder, attn_implementation="eager", experts_implementation="eager").float().eval()
     main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3\..*"]
     return main, MtpModel.from_pretrained(main).float().eval()
+
+
+@pytest.fixture(scope="module")
+def transformers_models(folder):
+    return hf_models(folder)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +79,16 @@ def hf_chain(main, mtp, ids: list[int], next_token: int, k: int) -> list[int]:
     return guesses
 
 
-def test_layer_logits_match_transformers(folder, transformers_models):
-    main, mtp_model = transformers_models
+@pytest.mark.parametrize("variant", ["v3", "glm4_moe"])
+def test_layer_logits_match_transformers(variant, folder, transformers_models, tmp_path):
+    """DeepSeek-V3's next-n layer (latent attention) and GLM-4.5's (grouped-query attention
+    with partial rotary and q/k norms)."""
+    if variant == "v3":
+        main, mtp_model = transformers_models
+    else:
+        folder = tmp_path / variant
+        tiny_mtp_model(folder, variant=variant)
+        main, mtp_model = hf_models(folder, "Glm4MoeForCausalLM")
     cfg, params = load_model(folder, progress=False)
     mtp = jax.tree.map(jnp.asarray, load_mtp_params(folder, cfg))
     ids = PROMPTS[3][:21]
