@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.attention import resolve_backend
 from model.batch import Batch, sequences_batch
 from model.checkpoint import param_bytes
 from model.config import ModelConfig
@@ -30,11 +31,17 @@ from model.transformer import forward
 PAGE_SIZE = 16
 
 
-@partial(jax.jit, static_argnames=("cfg",))
 def _score(params, cache, batch, targets, cfg: ModelConfig):
     """-> (log p(target) f32[T], argmax int32[T], cache): logits never leave the device.
-    params: prepared (see prepare_params), as every public function here makes them."""
-    logits, cache = forward(params, cache, batch, cfg)
+    params: prepared (see prepare_params), as every public function here makes them. The
+    attention backend is the one the engine picks for this device (model/attention.py
+    resolve_backend's "auto")."""
+    return _score_on(params, cache, batch, targets, cfg, resolve_backend("auto"))
+
+
+@partial(jax.jit, static_argnames=("cfg", "backend"))
+def _score_on(params, cache, batch, targets, cfg: ModelConfig, backend: str):
+    logits, cache = forward(params, cache, batch, cfg, backend)
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     return picked, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
