@@ -1,6 +1,7 @@
 """Tiny GGUF files written from tiny transformers models, as llama.cpp's converter lays them
 out: GGUF tensor names, a `llama` file's attn_q / attn_k rows permuted for llama.cpp's
-rotary kernel, matrices quantized by the `gguf` package's own quantizers.
+rotary kernel, a mixture's experts stacked per block (`ffn_{gate,up,down}_exps`, the
+shared expert's gate a vector), matrices quantized by the `gguf` package's own quantizers.
 
     path, expected = write_gguf(model, "llama", tmp / "m.gguf", {"ffn_down": Q4_0})
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 # Llama 3's rope scaling with a context short enough that some of head_dim 16's frequencies
@@ -34,16 +35,37 @@ LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Qwen2-MoE / Qwen3-MoE: router, shared expert and its gate
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+# every expert in one HF tensor [E, out, in] -> the GGUF stacks it is split into (along out)
+EXPERT_NAMES = {"mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                "mlp.experts.down_proj": ("ffn_down_exps.weight",)}
+# Gemma's sandwich norms (its converter also stores every norm weight w as 1 + w)
+GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+# transformers' model_type -> GGUF architecture, where they differ
+GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def gguf_name(hf_name: str) -> str:
+    return gguf_names(hf_name)[0]
+
+
+def gguf_names(hf_name: str, arch: str = "llama") -> tuple[str, ...]:
+    """The GGUF tensor(s) one HF tensor becomes (two for experts' fused gate and up)."""
     if hf_name in TOP_NAMES:
-        return TOP_NAMES[hf_name]
+        return (TOP_NAMES[hf_name],)
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}"
+    names = {**LAYER_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else LAYER_NAMES
+    return tuple(f"blk.{layer}.{n}" for n in EXPERT_NAMES.get(rest, (names.get(rest),)))
 
 
 def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
@@ -68,12 +90,30 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # Gemma 3: the window layers' base and the full ones' own
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
     writer.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta")
-                              else cfg.rope_parameters["rope_theta"])
+                              else rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(cfg.sliding_window)
+        if getattr(cfg, "attn_logit_softcapping", None):
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
-    rope = getattr(cfg, "rope_parameters", None) or {}
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
@@ -81,24 +121,40 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        name = gguf_name(hf_name)
-        kind = name.split(".")[-2]
-        w = tensor.detach().float().numpy()
-        if arch == "llama" and kind in heads:
-            w = permute_for_llama_cpp(w, heads[kind])
-        kind_type = (types.get(name.rsplit(".", 1)[0], types.get(kind, default))
-                     if w.ndim == 2 else T.F32)
-        data = quantize(w, kind_type) if kind_type not in (T.F32,) else w
-        writer.add_tensor(name, data, raw_dtype=kind_type)
-        back = np.asarray(dequantize(data, kind_type), np.float32).reshape(w.shape)
-        if arch == "llama" and kind in heads:  # the loader's job: back to HF's row order
-            back = permute_for_llama_cpp_inverse(back, heads[kind])
-        expected[hf_name] = back
+        names = gguf_names(hf_name, arch)
+        full = tensor.detach().float().numpy()
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            full = full + 1.0  # the scale Gemma's (1 + w) norm multiplies by
+        if names[0].endswith("ffn_gate_inp_shexp.weight"):
+            full = full[0]  # [1, in]: stored as the vector llama.cpp reads
+        backs = []
+        for name, w in zip(names, np.split(full, len(names), axis=-2 if full.ndim > 1 else 0)):
+            backs.append(_add(writer, name, w, arch, heads, types, default))
+        expected[hf_name] = np.concatenate(backs, axis=-2).reshape(tensor.shape) \
+            if len(backs) > 1 else backs[0].reshape(tensor.shape)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            expected[hf_name] = expected[hf_name] - np.float32(1.0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path, expected
+
+
+def _add(writer, name: str, w: np.ndarray, arch: str, heads: dict, types: dict,
+         default: T) -> np.ndarray:
+    """One tensor written in its type; -> the values llama.cpp reads back, in HF's order."""
+    kind = name.split(".")[-2]
+    if arch == "llama" and kind in heads:
+        w = permute_for_llama_cpp(w, heads[kind])
+    kind_type = (types.get(name.rsplit(".", 1)[0], types.get(kind, default))
+                 if w.ndim >= 2 else T.F32)
+    data = quantize(w, kind_type) if kind_type not in (T.F32,) else w
+    writer.add_tensor(name, data, raw_dtype=kind_type)
+    back = np.asarray(dequantize(data, kind_type), np.float32).reshape(w.shape)
+    if arch == "llama" and kind in heads:  # the loader's job: back to HF's row order
+        back = permute_for_llama_cpp_inverse(back, heads[kind])
+    return back
 
 
 def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -123,3 +179,22 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 def permute_for_llama_cpp_inverse(w: np.ndarray, heads: int) -> np.ndarray:
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def transformers_reading(path: Path, config):
+    """transformers' model from a GGUF file, its own reader undoing the converter; `config`
+    the tiny model's, for what the metadata does not carry (or transformers does not read)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=config, torch_dtype=torch.float32,
+        attn_implementation="eager", experts_implementation="eager").eval()
+
+
+def own_cache(tmp_path_factory):
+    """A module's GGUF folders in a cache of its own (XDG_CACHE_HOME), for a fixture to
+    yield from."""
+    import pytest
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield

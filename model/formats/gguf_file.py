@@ -7,8 +7,9 @@ tokenizer rebuilt from its vocabulary by transformers' GGUF converter (or copied
 split). The weights are read from the file itself at every load (`load_gguf_weights`), onto
 our forms by model/formats/gguf_tensors.py; nothing is converted or stored twice.
 
-Families: GGUF's `llama` (Llama, Mistral, SmolLM), `qwen2` and `qwen3`. llama.cpp permutes
-a `llama` file's attn_q / attn_k rows for its rotary kernel; they are put back here.
+Architectures: model/formats/gguf_arch.py maps each one as data (GGUF's `llama` for Llama,
+Mistral, SmolLM; `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`, `gemma2`, `gemma3`); this module
+reads a file as its architecture's map says, and refuses one with no map by name.
 """
 from __future__ import annotations
 
@@ -23,29 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from model.config import ModelConfig
-from model.formats import gguf_index
+from model.formats import gguf_arch, gguf_index
 from model.formats.gguf_tensors import (FLOAT_TYPES, embedding, permute_rows, tensor_form,
                                         unpermute_order)
-from model.formats.param_tree import ParamFiller, form, kernel
+from model.formats.param_tree import ParamFiller, dequantize_np, form, kernel
 from model.hf_weights import WeightsError
 
 POINTER = "gguf.json"
 _VERSION = 3
 _SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-_TOP = {"token_embd.weight": ("embed",), "output_norm.weight": ("final_norm", "scale"),
-        "output.weight": ("lm_head", "kernel")}
-_LAYER = {"attn_norm.weight": ("input_norm", "scale"), "ffn_norm.weight": ("post_norm", "scale"),
-          "attn_q_norm.weight": ("attn", "q_norm", "scale"),
-          "attn_k_norm.weight": ("attn", "k_norm", "scale"),
-          "ffn_gate.weight": ("mlp", "gate_proj", "kernel"),
-          "ffn_up.weight": ("mlp", "up_proj", "kernel"),
-          "ffn_down.weight": ("mlp", "down_proj", "kernel"),
-          "attn_output.weight": ("attn", "o_proj", "kernel")}
-for _p in "qkv":
-    _LAYER[f"attn_{_p}.weight"] = ("attn", f"{_p}_proj", "kernel")
-    _LAYER[f"attn_{_p}.bias"] = ("attn", f"{_p}_proj", "bias")
 
 
 class GGUFError(WeightsError):
@@ -101,9 +88,7 @@ def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -
     """The config.json a GGUF's metadata stands for (tensors: name -> (type, shape);
     rope_freqs: the file's rope_freqs tensor, if it has one)."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not served; supported: "
-                        + ", ".join(ARCHITECTURES))
+    spec = gguf_arch.architecture(arch, GGUFError)
     key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -122,10 +107,10 @@ def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -
         scaling = llama3_scaling(np.asarray(rope_freqs, np.float32), theta, head_dim)
     tied = "output.weight" not in tensors
     config = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "architectures": [spec.hf_architecture], "model_type": spec.model_type,
         "vocab_size": int(tensors["token_embd.weight"][1][1]),
-        "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
+        **{field: key(name) for name, field in {**gguf_arch.COMMON_CONFIG, **spec.config}.items()
+           if key(name) is not None},
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu", "max_position_embeddings": key("context_length", 2048),
@@ -136,6 +121,7 @@ def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": _dtype(tensors),
     }
+    config.update(gguf_arch.derived_config(spec, config, tensors))
     return config
 
 
@@ -182,7 +168,7 @@ def _generation_config(meta: dict) -> dict:
         if meta.get(name) is not None and meta[name] not in eos:
             eos.append(meta[name])
     # Chat models end their turns on an end-of-turn token the metadata may not name.
-    for turn_end in ("<|im_end|>", "<|eot_id|>"):
+    for turn_end in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
         if turn_end in tokens and tokens.index(turn_end) not in eos:
             eos.append(tokens.index(turn_end))
     eos = [e for e in eos if e is not None]
@@ -286,28 +272,42 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
                         "agree with it: leave --quantize out")
     pointer = json.loads((Path(folder) / POINTER).read_text())
     files = [Path(f) for f in pointer["files"]]
-    permuted = pointer["architecture"] == "llama"
+    spec = gguf_arch.architecture(pointer["architecture"], GGUFError)
+    names = spec.layer_paths()
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     filler = ParamFiller(cfg)
     kinds: dict[str, set[str]] = {}
     for t in _tensors(files, pointer["tensors"]):
         if t.name == "rope_freqs.weight":  # read into config.json's rope_scaling
             continue
-        target = _target(t.name)
+        target = _target(t.name, names)
         if target is None:
             raise GGUFError(f"unexpected tensor {t.name!r} in {files[0].name}")
-        path, layer = target
-        value = _our_form(t, path, permuted and t.name.split(".")[-2] in heads,
-                          heads.get(t.name.split(".")[-2]))
-        filler.set(path, layer, value, t.name)
+        path, layer, short = target
+        kind = short.split(".")[0]
+        unpermute = heads.get(kind) if spec.permuted_qk else None
+        if short in gguf_arch.EXPERT_STACKS:  # [E, out, in]: one expert at a time
+            values = [_our_form(t, t.data[e], t.shape[:2], path, unpermute)
+                      for e in range(t.shape[2])]
+            for e, value in enumerate(values):
+                filler.set(path, layer, value, t.name, expert=e)
+        else:
+            values = [_our_form(t, t.data, t.shape, path, unpermute)]
+            if spec.norm_offset and short.endswith("norm.weight"):
+                values = [values[0] - np.float32(spec.norm_offset)]
+            if short in gguf_arch.FLOAT_ONLY:
+                values = [dequantize_np(values[0])]
+            if short in gguf_arch.COLUMNS:
+                values = [values[0].reshape(-1, 1)]
+            filler.set(path, layer, values[0], t.name)
+        value = values[0]
         dequantized = t.tensor_type not in FLOAT_TYPES and isinstance(value, np.ndarray)
         label = (f"{t.tensor_type.name} -> "
                  + (filler.describe(value) if path[-1] == "kernel" else form(value))
                  + (" (dequantized at load)" if dequantized else ""))
         if path == ("embed",) and cfg.tie_word_embeddings:
             label += f"; the tied head on {kernel(value)}"
-        kinds.setdefault(path[-2] if path[-1] in ("kernel", "bias") else path[-1]
-                         if path[0] != "embed" else "embed", set()).add(label)
+        kinds.setdefault(_kind(path), set()).add(label)
     params = filler.finish()
     log = [f"checkpoint format: GGUF ({', '.join(f.name for f in files)})"]
     log += [f"  {k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items())]
@@ -315,15 +315,26 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
     return params, log
 
 
-def _our_form(t, path: tuple[str, ...], permuted: bool, heads: int | None):
-    """One tensor in our form and orientation, llama.cpp's Q/K row order undone."""
+def _our_form(t, data: np.ndarray, shape: tuple[int, ...], path: tuple[str, ...],
+              heads: int | None):
+    """One tensor (or one expert of a stack: its data and GGUF shape) in our form and
+    orientation; with `heads`, llama.cpp's Q/K row order undone."""
     try:
-        value = (embedding(t.data, t.tensor_type, t.shape) if path == ("embed",)
-                 else tensor_form(t.data, t.tensor_type, t.shape))
+        value = (embedding(data, t.tensor_type, shape) if path == ("embed",)
+                 else tensor_form(data, t.tensor_type, shape))
     except ValueError as e:
         raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, shape {t.shape}) "
                         f"cannot be read: {e}") from e
-    return permute_rows(value, unpermute_order(value.shape[-1], heads)) if permuted else value
+    return permute_rows(value, unpermute_order(value.shape[-1], heads)) if heads else value
+
+
+def _kind(path: tuple[str, ...]) -> str:
+    """A weight's name in the start-up log: its module (a kernel's, a bias's) or its own."""
+    if path[0] == "embed":
+        return "embed"
+    if path[-1] in ("kernel", "bias"):
+        return "/".join(path[1:-1]) if path[1] == "moe" else path[-2]
+    return path[-1]
 
 
 def _tensors(files: list[Path], entries: list[list]):
@@ -334,10 +345,11 @@ def _tensors(files: list[Path], entries: list[list]):
                         "delete that folder to read the file again") from e
 
 
-def _target(name: str):
-    if name in _TOP:
-        return _TOP[name], None
+def _target(name: str, layer_paths: dict):
+    """(our path, layer or None, the name after `blk.N.`) of a tensor, or None."""
+    if name in gguf_arch.TOP:
+        return gguf_arch.TOP[name], None, name
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER:
-        return ("layers",) + _LAYER[m.group(2)], int(m.group(1))
+    if m and m.group(2) in layer_paths:
+        return ("layers",) + layer_paths[m.group(2)], int(m.group(1)), m.group(2)
     return None

@@ -1,0 +1,138 @@
+"""Each GGUF architecture we serve, as data beside the reader (model/formats/gguf_file.py):
+which metadata keys become which config.json fields, where each tensor lands in our
+parameter tree, and what llama.cpp's converter did to a tensor that has to be undone.
+
+Every architecture shares the `llama` core: token_embd / output_norm / output and per block
+attn_* and ffn_*. The mixtures add llama.cpp's stacked experts: `ffn_{gate,up,down}_exps`
+hold every expert of a block in one tensor (GGUF shape [in, out, E]), the router is
+`ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` with its one-output gate
+`ffn_gate_inp_shexp` (stored as a vector). A block without `ffn_gate_inp` keeps a dense MLP.
+Gemma's converter stores every RMSNorm weight w as 1 + w (the scale its kernel multiplies
+by) and names the sandwich norms post_attention_norm / ffn_norm / post_ffw_norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# metadata key after "<arch>." -> config.json field, read by every architecture (where set)
+COMMON_CONFIG = {"embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+                 "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads"}
+MOE_CONFIG = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+              "expert_feed_forward_length": "moe_intermediate_size"}
+
+TOP = {"token_embd.weight": ("embed",), "output_norm.weight": ("final_norm", "scale"),
+       "output.weight": ("lm_head", "kernel")}
+LAYER = {"attn_norm.weight": ("input_norm", "scale"), "ffn_norm.weight": ("post_norm", "scale"),
+         "attn_q_norm.weight": ("attn", "q_norm", "scale"),
+         "attn_k_norm.weight": ("attn", "k_norm", "scale"),
+         "ffn_gate.weight": ("mlp", "gate_proj", "kernel"),
+         "ffn_up.weight": ("mlp", "up_proj", "kernel"),
+         "ffn_down.weight": ("mlp", "down_proj", "kernel"),
+         "attn_output.weight": ("attn", "o_proj", "kernel")}
+for _p in "qkv":
+    LAYER[f"attn_{_p}.weight"] = ("attn", f"{_p}_proj", "kernel")
+    LAYER[f"attn_{_p}.bias"] = ("attn", f"{_p}_proj", "bias")
+
+ROUTER = "ffn_gate_inp.weight"  # a block that has it is a mixture-of-experts block
+MOE_LAYER = {ROUTER: ("moe", "router", "kernel")}
+for _p in ("gate", "up", "down"):
+    MOE_LAYER[f"ffn_{_p}_exps.weight"] = ("moe", f"{_p}_proj", "kernel")
+    MOE_LAYER[f"ffn_{_p}_shexp.weight"] = ("moe", "shared_expert", f"{_p}_proj", "kernel")
+MOE_LAYER["ffn_gate_inp_shexp.weight"] = ("moe", "shared_expert_gate", "kernel")
+
+# a block's tensors holding every expert on their last GGUF axis (first of the data)
+EXPERT_STACKS = frozenset(f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
+# one-output kernels llama.cpp stores as a vector of inputs: read back as [in, 1]
+COLUMNS = frozenset({"ffn_gate_inp_shexp.weight"})
+# weights our model keeps in float32 whatever the file stores them in (the routers)
+FLOAT_ONLY = frozenset({ROUTER, "ffn_gate_inp_shexp.weight"})
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_architecture: str  # config.json's `architectures` entry
+    model_type: str
+    config: dict = field(default_factory=dict)  # more metadata keys -> config.json fields
+    defaults: dict = field(default_factory=dict)  # fields llama.cpp sets in code, unless
+    # the metadata says otherwise
+    layer: dict = field(default_factory=dict)  # more (or other) block tensors -> our paths
+    permuted_qk: bool = False  # attn_q / attn_k rows in llama.cpp's rotary order
+    experts: bool = False  # a mixture: MoE blocks are the ones with a router
+    norm_offset: float = 0.0  # added to every *norm.weight by the converter
+    # Gemma: llama.cpp scales queries by 1 / sqrt(head_dim), but by 1 / sqrt(hidden / heads)
+    # in the one size (27B) with this many blocks
+    wide_query_scale_blocks: int = 0
+
+    def layer_paths(self) -> dict:
+        return {**LAYER, **self.layer}
+
+
+_QWEN2_MOE_CONFIG = {**MOE_CONFIG,
+                     "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+_GEMMA_LAYER = {"post_attention_norm.weight": ("post_norm", "scale"),
+                "ffn_norm.weight": ("pre_mlp_norm", "scale"),
+                "post_ffw_norm.weight": ("post_mlp_norm", "scale")}
+_GEMMA_CONFIG = {"attention.sliding_window": "sliding_window",
+                 "attention.sliding_window_pattern": "sliding_window_pattern"}
+_GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh"}
+
+ARCHITECTURES = {
+    "llama": Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": Architecture("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3"),
+    # llama.cpp's qwen2moe runs the top-k weights as the softmax gives them, qwen3moe
+    # renormalizes them (its graph's norm_w flag); neither is in the metadata.
+    "qwen2moe": Architecture("Qwen2MoeForCausalLM", "qwen2_moe", config=_QWEN2_MOE_CONFIG,
+                             defaults={"norm_topk_prob": False, "decoder_sparse_step": 1},
+                             layer=MOE_LAYER, experts=True),
+    "qwen3moe": Architecture("Qwen3MoeForCausalLM", "qwen3_moe", config=MOE_CONFIG,
+                             defaults={"norm_topk_prob": True, "decoder_sparse_step": 1},
+                             layer=MOE_LAYER, experts=True),
+    # Window layers alternate with full ones (llama.cpp's pattern 2); soft-caps in metadata.
+    "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", config={
+        **_GEMMA_CONFIG, "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping"}, defaults=_GEMMA_DEFAULTS,
+        layer=_GEMMA_LAYER, norm_offset=1.0, wide_query_scale_blocks=46),
+    # Five window layers to one full (the family's pattern); the window layers' RoPE base
+    # is rope.freq_base_swa where written, llama.cpp's 10000 where not.
+    "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", config={
+        **_GEMMA_CONFIG, "rope.freq_base_swa": "rope_local_base_freq"},
+        defaults={**_GEMMA_DEFAULTS, "rope_local_base_freq": 10000.0},
+        layer=_GEMMA_LAYER, norm_offset=1.0, wide_query_scale_blocks=62),
+}
+
+
+def architecture(arch: str | None, error) -> Architecture:
+    """The map for a file's general.architecture; `error` (an exception class) raised naming
+    an architecture we do not serve."""
+    if arch not in ARCHITECTURES:
+        raise error(f"GGUF architecture {arch!r} is not served; supported: "
+                    + ", ".join(ARCHITECTURES))
+    return ARCHITECTURES[arch]
+
+
+def derived_config(arch: Architecture, config: dict, tensors: dict) -> dict:
+    """config.json fields an architecture's code (not its metadata) decides: a mixture's
+    sizes as its tensors have them (older files lack some of the metadata) and its layer
+    pattern (blocks without a router are mlp_only_layers); Gemma's query scale
+    (tensors: name -> (type, GGUF shape))."""
+    out = {k: v for k, v in arch.defaults.items() if config.get(k) is None}
+    if arch.wide_query_scale_blocks:
+        wide = config["num_hidden_layers"] == arch.wide_query_scale_blocks
+        out["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                        if wide else config["head_dim"])
+    if isinstance(config.get("sliding_window_pattern"), list):  # per layer: windowed or not
+        out["layer_types"] = ["sliding_attention" if w else "full_attention"
+                              for w in config["sliding_window_pattern"]]
+        out["sliding_window_pattern"] = None
+    if not arch.experts:
+        return out
+    out["mlp_only_layers"] = [i for i in range(config["num_hidden_layers"])
+                              if f"blk.{i}.{ROUTER}" not in tensors]
+    for short, fields in (("ffn_gate_exps.weight", ("moe_intermediate_size", "num_experts")),
+                          ("ffn_gate_shexp.weight", ("shared_expert_intermediate_size",))):
+        shape = next((s for n, (_, s) in tensors.items() if n.endswith("." + short)), None)
+        if shape is not None:
+            out.update(zip(fields, shape[1:]))
+    return out
