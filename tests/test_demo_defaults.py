@@ -26,6 +26,14 @@ def test_a_named_model_keeps_its_checkpoint_and_dtype():
     assert resolved(on_gpu=True) == (None, "auto")  # GPUs: vLLM's defaults
 
 
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_a_gguf_file_gets_llama_cpps_float16_cache(on_gpu, caplog):
+    with caplog.at_level(logging.INFO, logger="xlaserve"):
+        assert resolved(on_gpu, model="m/q4_k_m.gguf") == (None, "float16")
+    assert "llama.cpp's default" in caplog.text
+    assert resolved(on_gpu, model="m/q4_k_m.gguf", kv_cache_dtype="int8") == (None, "int8")
+
+
 @pytest.mark.parametrize("kwargs,want", [
     (dict(quantize="none", kv_cache_dtype="float32"), (None, "float32")),  # the exact demo
     (dict(quantize="fp8"), ("fp8", "float16")),
