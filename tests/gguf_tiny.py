@@ -50,7 +50,8 @@ GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 # transformers' model_type -> GGUF architecture, where they differ
-GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3",
+             "mixtral": "llama"}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -111,7 +112,8 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     if getattr(cfg, "num_experts", None):
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "moe_intermediate_size", None):  # not Mixtral's, not OLMoE's
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if rope.get("rope_type") == "llama3":
@@ -198,3 +200,16 @@ def own_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         yield
+
+
+def tiny_file_of(tmp_path_factory, family: str, mix: str, sizes: dict, quant: dict,
+                 seed: int):
+    """A tiny `family` model (tests/hf_tiny.py, with `sizes` over its defaults) written as
+    a GGUF file: every matrix F32 (mix "f32") or as `quant` names them.
+    -> (model, path, the values read back)."""
+    from tests.hf_tiny import tiny_hf_model
+    out = tmp_path_factory.mktemp(f"gguf-{family}-{mix}")
+    model = tiny_hf_model(family, out / "hf", seed=seed, **sizes)
+    path, read_back = write_gguf(model, GGUF_ARCH.get(family, family), out / f"{family}.gguf",
+                                 quant if mix == "quant" else {})
+    return model, path, read_back

@@ -21,8 +21,11 @@ from tests.hf_tiny import greedy_reference, tiny_hf_model
 
 QUANT = {"attn_q": T.Q4_0, "attn_output": T.Q8_0, "ffn_gate": T.Q4_1, "ffn_down": T.Q4_0,
          "token_embd": T.Q8_0}
+# float32 KV (a GGUF's default is float16, llama.cpp's): the tokens are compared with
+# transformers' float32 reading of the file
 OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
-               token_buckets=(16,), request_buckets=(4,), page_buckets=(16,), progress=False)
+               token_buckets=(16,), request_buckets=(4,), page_buckets=(16,), progress=False,
+               kv_cache_dtype="float32")
 # past both windows (8 and 6 tokens) in the prompt and while decoding
 PROMPTS = [[1, 17, 33, 5, 90, 4, 4, 120, 11, 60], [1, 200, 3, 3, 3, 150, 42, 7, 9], [1, 8, 64]]
 TOKENS = 8

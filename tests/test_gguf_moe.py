@@ -15,8 +15,8 @@ from model.formats.gguf_file import gguf_folder
 from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 from serving import LLM, SamplingParams
-from tests.gguf_tiny import GGUF_ARCH, own_cache, transformers_reading, write_gguf
-from tests.hf_tiny import greedy_reference, tiny_hf_model
+from tests.gguf_tiny import own_cache, tiny_file_of, transformers_reading
+from tests.hf_tiny import greedy_reference
 
 # every matrix's inputs a multiple of 32, as the block types need; every Qwen2-MoE block a
 # mixture, as llama.cpp's qwen2moe (and transformers reading it) has them
@@ -27,8 +27,11 @@ SIZES = {"qwen2_moe": dict(moe_intermediate_size=64, shared_expert_intermediate_
 QUANT = {"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q4_1, "ffn_down_exps": T.Q8_0,
          "ffn_gate_shexp": T.Q4_0, "ffn_down_shexp": T.Q8_0, "attn_q": T.Q4_0,
          "attn_output": T.Q4_1, "token_embd": T.Q8_0}
+# float32 KV (a GGUF's default is float16, llama.cpp's): the tokens are compared with
+# transformers' float32 reading of the file
 OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
-               token_buckets=(16,), request_buckets=(4,), page_buckets=(16,), progress=False)
+               token_buckets=(16,), request_buckets=(4,), page_buckets=(16,), progress=False,
+               kv_cache_dtype="float32")
 PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9], [1, 8, 64, 99]]
 TOKENS = 8
 
@@ -42,11 +45,8 @@ def gguf_cache(tmp_path_factory):
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def tiny_file(request, tmp_path_factory, gguf_cache):
     family, mix = request.param
-    out = tmp_path_factory.mktemp(f"gguf-{family}-{mix}")
-    model = tiny_hf_model(family, out / "hf", seed=7, **SIZES[family])
-    path, _ = write_gguf(model, GGUF_ARCH[family], out / f"{family}.gguf",
-                         QUANT if mix == "quant" else {})
-    return family, mix, model, path
+    return (family, mix) + tiny_file_of(tmp_path_factory, family, mix, SIZES[family], QUANT,
+                                        7)[:2]
 
 
 def test_greedy_tokens_equal_transformers_reading_the_same_file(tiny_file):

@@ -7,6 +7,8 @@ attn_* and ffn_*. The mixtures add llama.cpp's stacked experts: `ffn_{gate,up,do
 hold every expert of a block in one tensor (GGUF shape [in, out, E]), the router is
 `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` with its one-output gate
 `ffn_gate_inp_shexp` (stored as a vector). A block without `ffn_gate_inp` keeps a dense MLP.
+llama.cpp writes Mixtral as a `llama` file whose blocks have routers: the llama map names
+the map such a file follows instead (`mixture`).
 Gemma's converter stores every RMSNorm weight w as 1 + w (the scale its kernel multiplies
 by) and names the sandwich norms post_attention_norm / ffn_norm / post_ffw_norm.
 """
@@ -59,6 +61,11 @@ class Architecture:
     permuted_qk: bool = False  # attn_q / attn_k rows in llama.cpp's rotary order
     experts: bool = False  # a mixture: MoE blocks are the ones with a router
     norm_offset: float = 0.0  # added to every *norm.weight by the converter
+    # config.json fields a stack's GGUF shape [in, out, E] gives, out and E: each expert's
+    # size (Mixtral's and OLMoE's experts are intermediate_size wide) and the expert count
+    expert_fields: tuple = ("moe_intermediate_size", "num_experts")
+    # the map a file of this architecture follows when its blocks have routers
+    mixture: Architecture | None = None
     # Gemma: llama.cpp scales queries by 1 / sqrt(head_dim), but by 1 / sqrt(hidden / heads)
     # in the one size (27B) with this many blocks
     wide_query_scale_blocks: int = 0
@@ -77,8 +84,15 @@ _GEMMA_CONFIG = {"attention.sliding_window": "sliding_window",
                  "attention.sliding_window_pattern": "sliding_window_pattern"}
 _GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh"}
 
+# Mixtral: llama.cpp's llama graph renormalizes the top-k weights as Mixtral does (our
+# MixtralForCausalLM family always does); Q/K rows permuted as in any llama file.
+_MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", config={
+    "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    layer=MOE_LAYER, permuted_qk=True, experts=True,
+    expert_fields=("intermediate_size", "num_local_experts"))
+
 ARCHITECTURES = {
-    "llama": Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "llama": Architecture("LlamaForCausalLM", "llama", permuted_qk=True, mixture=_MIXTRAL),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2"),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3"),
     # llama.cpp's qwen2moe runs the top-k weights as the softmax gives them, qwen3moe
@@ -89,6 +103,12 @@ ARCHITECTURES = {
     "qwen3moe": Architecture("Qwen3MoeForCausalLM", "qwen3_moe", config=MOE_CONFIG,
                              defaults={"norm_topk_prob": True, "decoder_sparse_step": 1},
                              layer=MOE_LAYER, experts=True),
+    # OLMoE: q/k norms over the whole projections (attn_q_norm / attn_k_norm as wide as
+    # attn_q / attn_k), rotary halves in HF's order (llama.cpp's NEOX rope: no permutation),
+    # top-k weights as the softmax gives them; llama.cpp does not clamp q, k, v (clip_qkv).
+    "olmoe": Architecture("OlmoeForCausalLM", "olmoe", config=MOE_CONFIG,
+                          defaults={"norm_topk_prob": False}, layer=MOE_LAYER, experts=True,
+                          expert_fields=("intermediate_size", "num_experts")),
     # Window layers alternate with full ones (llama.cpp's pattern 2); soft-caps in metadata.
     "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", config={
         **_GEMMA_CONFIG, "attn_logit_softcapping": "attn_logit_softcapping",
@@ -103,13 +123,17 @@ ARCHITECTURES = {
 }
 
 
-def architecture(arch: str | None, error) -> Architecture:
-    """The map for a file's general.architecture; `error` (an exception class) raised naming
-    an architecture we do not serve."""
+def architecture(arch: str | None, error, tensor_names) -> Architecture:
+    """The map for a file's general.architecture and tensors (its mixture map where a block
+    has a router); `error` (an exception class) raised naming an architecture we do not
+    serve."""
     if arch not in ARCHITECTURES:
         raise error(f"GGUF architecture {arch!r} is not served; supported: "
                     + ", ".join(ARCHITECTURES))
-    return ARCHITECTURES[arch]
+    spec = ARCHITECTURES[arch]
+    if spec.mixture and any(n.endswith("." + ROUTER) for n in tensor_names):
+        return spec.mixture
+    return spec
 
 
 def derived_config(arch: Architecture, config: dict, tensors: dict) -> dict:
@@ -130,7 +154,7 @@ def derived_config(arch: Architecture, config: dict, tensors: dict) -> dict:
         return out
     out["mlp_only_layers"] = [i for i in range(config["num_hidden_layers"])
                               if f"blk.{i}.{ROUTER}" not in tensors]
-    for short, fields in (("ffn_gate_exps.weight", ("moe_intermediate_size", "num_experts")),
+    for short, fields in (("ffn_gate_exps.weight", arch.expert_fields),
                           ("ffn_gate_shexp.weight", ("shared_expert_intermediate_size",))):
         shape = next((s for n, (_, s) in tensors.items() if n.endswith("." + short)), None)
         if shape is not None:

@@ -8,8 +8,9 @@ split). The weights are read from the file itself at every load (`load_gguf_weig
 our forms by model/formats/gguf_tensors.py; nothing is converted or stored twice.
 
 Architectures: model/formats/gguf_arch.py maps each one as data (GGUF's `llama` for Llama,
-Mistral, SmolLM; `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`, `gemma2`, `gemma3`); this module
-reads a file as its architecture's map says, and refuses one with no map by name.
+Mistral, SmolLM and, with experts, Mixtral; `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`, `olmoe`,
+`gemma2`, `gemma3`); this module reads a file as its architecture's map says, and refuses one
+with no map by name.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from model.formats.param_tree import ParamFiller, dequantize_np, form, kernel
 from model.hf_weights import WeightsError
 
 POINTER = "gguf.json"
-_VERSION = 3
+_VERSION = 4  # 4: a `llama` file with routers is Mixtral (folders made before said Llama)
 _SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -88,7 +89,7 @@ def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -
     """The config.json a GGUF's metadata stands for (tensors: name -> (type, shape);
     rope_freqs: the file's rope_freqs tensor, if it has one)."""
     arch = meta.get("general.architecture")
-    spec = gguf_arch.architecture(arch, GGUFError)
+    spec = gguf_arch.architecture(arch, GGUFError, tensors)
     key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -272,7 +273,8 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
                         "agree with it: leave --quantize out")
     pointer = json.loads((Path(folder) / POINTER).read_text())
     files = [Path(f) for f in pointer["files"]]
-    spec = gguf_arch.architecture(pointer["architecture"], GGUFError)
+    spec = gguf_arch.architecture(pointer["architecture"], GGUFError,
+                                  [entry[1] for entry in pointer["tensors"]])
     names = spec.layer_paths()
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     filler = ParamFiller(cfg)
