@@ -29,15 +29,16 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_
              initializer_range=0.1)  # 0.02 leaves tokens blind to a misread tensor
 OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
                token_buckets=(4, 16), request_buckets=(4,), page_buckets=(16,), progress=False)
-# Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), dequantized ones
-# (Q8_0, F16) and float32.
+# Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), the 8-bit group
+# kernel's (Q8_0, Q5_0), dequantized ones (Q5_1, F16) and float32.
 # llama's ffn_down differs between layers, as a Q4_K_M file's does.
 MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "ffn_down": T.Q4_0,
-                   "blk.1.ffn_down": T.Q5_0, "ffn_gate": T.Q4_1, "ffn_up": T.F16,
+                   "blk.1.ffn_down": T.Q5_1, "ffn_gate": T.Q4_1, "ffn_up": T.F16,
                    "output": T.Q8_0, "token_embd": T.Q8_0},
          "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
                    "token_embd": T.Q4_1},
-         "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0}}
+         "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0,
+                   "attn_v": T.Q5_0, "token_embd": T.Q5_0}}
 PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
 
 
@@ -73,7 +74,7 @@ def test_block_types_read_as_the_format_dequantizes_them(kind):
     want = np.asarray(dequantize(data, kind), np.float32).reshape(48, 256).T
     np.testing.assert_array_equal(dequantize_np(value), want)
     assert isinstance(value, Int4Array) == (kind in (T.Q4_0, T.Q4_1))
-    assert isinstance(value, Int8GroupArray) == (kind == T.Q8_0)
+    assert isinstance(value, Int8GroupArray) == (kind in (T.Q8_0, T.Q5_0))
     if isinstance(value, Int4Array):
         assert value.scale.dtype == np.float16 and value.values.max() <= 15
     if isinstance(value, Int8GroupArray):  # a kernel [in, out], a float16 scale per 32 inputs
@@ -121,7 +122,10 @@ def test_weights_equal_the_files_dequantization(tiny_gguf):
         if kind in mix:
             kernel = _leaf(params, ("layers", *path, "kernel"), 0)
             assert isinstance(kernel, Int4Array) == (mix[kind] in (T.Q4_0, T.Q4_1)), kind
-    if per_layer:  # layer 1's ffn_down is Q5_0, which no kernel takes
+    if mix.get("attn_v") in (T.Q8_0, T.Q5_0):  # the 8-bit group kernel's
+        assert isinstance(_leaf(params, ("layers", "attn", "v_proj", "kernel"), 0),
+                          Int8GroupArray)
+    if per_layer:  # layer 1's ffn_down is Q5_1, which no kernel takes
         assert isinstance(_leaf(params, ("layers", "mlp", "down_proj", "kernel"), 1),
                           jax.Array)
 

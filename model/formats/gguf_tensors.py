@@ -10,9 +10,11 @@ blocks along the inputs. The blocks we map exactly:
   offsets (products of a float16 and a 6-bit integer, exact in float32), float16 where exact.
 - Q8_0 (float16 d, 32 int8 codes): W = d * q, our `Int8GroupArray` as is; an embedding
   table in Q8_0 stays in it too (its rows are looked up, and it is the tied head's weight).
+- Q5_0 (float16 d, 32 high bits, nibbles): W = d * (q - 16), an Int8GroupArray whose codes
+  are q - 16 (-16 .. 15), a table too.
 - F32 / F16 / BF16: float.
 
-Every other type (Q5_*, Q6_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by the
+Every other type (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by the
 `gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
 Nibble order in a 32-value block: value j < 16 in the low nibble of byte j, value j + 16 in
 its high nibble. Q4_K's 64-value chunks hold sub-block 2c in the low nibbles and 2c + 1 in
@@ -29,7 +31,7 @@ from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0)  # on our int4 and 8-bit group forms
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0)  # on our int4 and 8-bit group forms
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -85,6 +87,19 @@ def _q8_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
     return Int8GroupArray(codes, _f16(blocks[..., 0:2]))
 
 
+def _q5_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q5_0 rows -> Int8GroupArray [rows, cols] of codes q - 16: bit j of the block's 32-bit
+    qh is value j's fifth bit."""
+    blocks = data.reshape(rows, cols // 32, 22)
+    high = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+    bits = ((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    codes = (_nibbles32(blocks[..., 6:]) | (bits << 4)).astype(np.int16) - 16
+    return Int8GroupArray(codes.astype(np.int8).reshape(rows, cols), _f16(blocks[..., 0:2]))
+
+
+GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0}  # the types read onto Int8GroupArray
+
+
 def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
     """One GGUF tensor (raw `data` as the reader gives it, `shape` in GGUF's order, inputs
     first) -> its value in our orientation: a matrix [in, out] as an Int4Array or float32
@@ -93,8 +108,8 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
         w = np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
         return w.T if w.ndim == 2 else w
     cols, rows = shape  # cols inputs per row, one row per output
-    if kind == T.Q8_0:
-        return _q8_0(data, rows, cols).T  # [in, out], groups of inputs
+    if kind in GROUP8_TYPES:
+        return GROUP8_TYPES[kind](data, rows, cols).T  # [in, out], groups of inputs
     if kind == T.Q4_K:
         codes, scale, offset = _q4_k(data, rows, cols)
         scale, offset = f16_if_exact(scale), f16_if_exact(offset)
@@ -107,10 +122,10 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
 
 
 def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]):
-    """token_embd as our table [vocab, hidden]: Q8_0 on its codes (an Int8GroupArray), every
-    other type read exactly into float32."""
-    if kind == T.Q8_0:
-        return _q8_0(data, shape[1], shape[0])
+    """token_embd as our table [vocab, hidden]: Q8_0 and Q5_0 on their codes (an
+    Int8GroupArray), every other type read exactly into float32."""
+    if kind in GROUP8_TYPES:
+        return GROUP8_TYPES[kind](data, shape[1], shape[0])
     return np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
 
 
