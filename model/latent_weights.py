@@ -48,6 +48,18 @@ def halves(n: int) -> np.ndarray:
     return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
 
 
+def rope_halves_order(cfg: ModelConfig, latent: bool) -> np.ndarray:
+    """The output-row order that puts interleaved rope dims in rotate-half order: of the
+    latent projection (rope rows after kv_lora_rank) or of the query (each head's after its
+    nope rows). For a kernel in any form (gguf_tensors.permute_rows)."""
+    rot = cfg.head_dim
+    if latent:
+        return np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + halves(rot)])
+    head = np.concatenate([np.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + halves(rot)])
+    width = cfg.qk_nope_head_dim + rot
+    return (np.arange(cfg.num_heads)[:, None] * width + head).reshape(-1)
+
+
 def deinterleave_rope(name: str, value, cfg: ModelConfig, check: bool = False):
     """A query or latent projection of a model whose rope dims come in interleaved pairs,
     its rope rows (output rows, HF [out, in]) put in rotate-half order; others unchanged.

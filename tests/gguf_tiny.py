@@ -1,7 +1,8 @@
 """Tiny GGUF files written from tiny transformers models, as llama.cpp's converter lays them
 out: GGUF tensor names, a `llama` file's attn_q / attn_k rows permuted for llama.cpp's
-rotary kernel, a mixture's experts stacked per block (`ffn_{gate,up,down}_exps`, the
-shared expert's gate a vector), matrices quantized by the `gguf` package's own quantizers.
+rotary kernel (a `deepseek2` file keeps the checkpoint's own interleaved rope rows), a
+mixture's experts stacked per block (`ffn_{gate,up,down}_exps`, the shared expert's gate a
+vector), matrices quantized by the `gguf` package's own quantizers.
 
     path, expected = write_gguf(model, "llama", tmp / "m.gguf", {"ffn_down": Q4_0})
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter, RopeScalingType
+from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 # Llama 3's rope scaling with a context short enough that some of head_dim 16's frequencies
@@ -42,6 +43,17 @@ LAYER_NAMES = {
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+# DeepSeek's latent attention, router correction bias and shared experts
+DEEPSEEK_NAMES = {
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+       for p in ("gate", "up", "down")}}
 # every expert in one HF tensor [E, out, in] -> the GGUF stacks it is split into (along out)
 EXPERT_NAMES = {"mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
                 "mlp.experts.down_proj": ("ffn_down_exps.weight",)}
@@ -51,7 +63,8 @@ GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 # transformers' model_type -> GGUF architecture, where they differ
 GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3",
-             "mixtral": "llama"}
+             "mixtral": "llama", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+             "glm4_moe": "glm4moe"}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -66,6 +79,9 @@ def gguf_names(hf_name: str, arch: str = "llama") -> tuple[str, ...]:
         return (TOP_NAMES[hf_name],)
     _, _, layer, rest = hf_name.split(".", 3)
     names = {**LAYER_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else LAYER_NAMES
+    names = {**names, **DEEPSEEK_NAMES} if arch in ("deepseek2", "glm4moe") else names
+    if arch == "glm4moe":  # its pre-MLP norm
+        names = {**names, "post_attention_layernorm.weight": "post_attention_norm.weight"}
     return tuple(f"blk.{layer}.{n}" for n in EXPERT_NAMES.get(rest, (names.get(rest),)))
 
 
@@ -76,9 +92,12 @@ def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model, arch: str, path: Path, types: dict[str, T],
-               default: T = T.F32) -> tuple[Path, dict[str, np.ndarray]]:
+               default: T = T.F32, split_kv_b: bool = False
+               ) -> tuple[Path, dict[str, np.ndarray]]:
     """types: GGUF tensor kind ("ffn_down", "token_embd", ...) or one layer's tensor
-    ("blk.1.ffn_down") -> its type; matrices of other kinds get `default`, vectors F32."""
+    ("blk.1.ffn_down") -> its type; matrices of other kinds get `default`, vectors F32.
+    split_kv_b: a deepseek2 file as newer converters write it (attn_k_b / attn_v_b and the
+    MLA head sizes), else with attn_kv_b."""
     cfg = model.config
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -86,17 +105,27 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "deepseek2":
+        _deepseek_metadata(writer, cfg, split_kv_b)
+    else:
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1)))
+    if arch == "glm4moe":
+        _deepseek_moe_metadata(writer, cfg)
     if "full_attention" in rope:  # Gemma 3: the window layers' base and the full ones' own
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         rope = rope["full_attention"]
     writer.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta")
                               else rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -109,7 +138,7 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
-    if getattr(cfg, "num_experts", None):
+    if getattr(cfg, "num_experts", None) and arch not in ("deepseek2", "glm4moe"):
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):  # not Mixtral's, not OLMoE's
@@ -129,6 +158,9 @@ def write_gguf(model, arch: str, path: Path, types: dict[str, T],
             full = full + 1.0  # the scale Gemma's (1 + w) norm multiplies by
         if names[0].endswith("ffn_gate_inp_shexp.weight"):
             full = full[0]  # [1, in]: stored as the vector llama.cpp reads
+        if split_kv_b and names[0].endswith("attn_kv_b.weight"):
+            expected[hf_name] = _split_kv_b(writer, names[0], full, cfg, types, default)
+            continue
         backs = []
         for name, w in zip(names, np.split(full, len(names), axis=-2 if full.ndim > 1 else 0)):
             backs.append(_add(writer, name, w, arch, heads, types, default))
@@ -157,6 +189,53 @@ def _add(writer, name: str, w: np.ndarray, arch: str, heads: dict, types: dict,
     if arch == "llama" and kind in heads:  # the loader's job: back to HF's row order
         back = permute_for_llama_cpp_inverse(back, heads[kind])
     return back
+
+
+def _deepseek_metadata(writer, cfg, mla: bool) -> None:
+    """deepseek2's metadata as llama.cpp's converter writes it; `mla`: its newer form, one
+    KV head of the latent's width."""
+    nope, rot, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    rank = cfg.kv_lora_rank
+    writer.add_head_count_kv(1 if mla else cfg.num_attention_heads)
+    writer.add_key_length(rank + rot if mla else nope + rot)
+    writer.add_value_length(rank if mla else v)
+    if mla:
+        writer.add_key_length_mla(nope + rot)
+        writer.add_value_length_mla(v)
+    writer.add_rope_dimension_count(rot)
+    if cfg.q_lora_rank:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(rank)
+    _deepseek_moe_metadata(writer, cfg)
+
+
+def _deepseek_moe_metadata(writer, cfg) -> None:
+    """DeepSeek's routing as deepseek2 and glm4moe files carry it."""
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_expert_count(cfg.n_routed_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    v3 = cfg.model_type != "deepseek_v2"  # V3 and GLM-4.5: sigmoid
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if v3
+                                  else ExpertGatingFuncType.SOFTMAX)
+    if getattr(cfg, "n_group", None):
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+
+
+def _split_kv_b(writer, name: str, w: np.ndarray, cfg, types: dict, default: T) -> np.ndarray:
+    """kv_b_proj [H * (nope + v), r] written as attn_k_b [H, r, nope] and attn_v_b
+    [H, v, r]; -> kv_b_proj as read back."""
+    nope, heads = cfg.qk_nope_head_dim, cfg.num_attention_heads
+    w = w.reshape(heads, nope + cfg.v_head_dim, -1)
+    k_b = _add(writer, name.replace("kv_b", "k_b"), np.ascontiguousarray(
+        w[:, :nope].transpose(0, 2, 1)), "deepseek2", {}, types, default)
+    v_b = _add(writer, name.replace("kv_b", "v_b"), np.ascontiguousarray(w[:, nope:]),
+               "deepseek2", {}, types, default)
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, w.shape[-1])
 
 
 def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -213,3 +292,24 @@ def tiny_file_of(tmp_path_factory, family: str, mix: str, sizes: dict, quant: di
     path, read_back = write_gguf(model, GGUF_ARCH.get(family, family), out / f"{family}.gguf",
                                  quant if mix == "quant" else {})
     return model, path, read_back
+
+
+def served_and_reference(model, path: Path, read_back: dict, mix: str, options: dict,
+                         prompts: list[list[int]], tokens: int):
+    """Greedy tokens of our engine serving the file, and of the tiny model on the file's
+    own weights (the model as is for an F32 file, `read_back` loaded for a quantized one):
+    the reference where transformers does not read the architecture from GGUF."""
+    import copy
+
+    import torch
+
+    from serving import LLM, SamplingParams
+    from tests.hf_tiny import greedy_reference
+    reference = model
+    if mix == "quant":
+        reference = copy.deepcopy(model)
+        reference.load_state_dict({k: torch.from_numpy(v) for k, v in read_back.items()})
+    llm = LLM(str(path), **options)
+    ours = [r.token_ids for r in llm.generate(prompts, SamplingParams(
+        temperature=0, max_tokens=tokens, ignore_eos=True))]
+    return ours, [greedy_reference(reference, p, tokens) for p in prompts]

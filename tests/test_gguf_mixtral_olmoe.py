@@ -8,11 +8,9 @@ float32 file and the tiny model with the file's own dequantized weights for the 
 one. llama.cpp's OLMoE does not clamp q, k and v, so the tiny OLMoE leaves clip_qkv out."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType as T
 
 from model.checkpoint import load_model
@@ -20,9 +18,7 @@ from model.formats.gguf_arch import architecture
 from model.formats.gguf_file import gguf_folder
 from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
-from serving import LLM, SamplingParams
-from tests.gguf_tiny import own_cache, tiny_file_of
-from tests.hf_tiny import greedy_reference
+from tests.gguf_tiny import own_cache, served_and_reference, tiny_file_of
 from tests.test_gguf_moe import OPTIONS, PROMPTS, TOKENS  # the same engine and prompts
 
 # every expert's inputs a multiple of 32, as the block types need
@@ -49,14 +45,8 @@ def tiny_file(request, tmp_path_factory, gguf_cache):
 
 def test_greedy_tokens_equal_transformers_on_the_files_weights(tiny_file):
     family, mix, model, path, read_back = tiny_file
-    reference = model
-    if mix == "quant":
-        reference = copy.deepcopy(model)
-        reference.load_state_dict({k: torch.from_numpy(v) for k, v in read_back.items()})
-    llm = LLM(str(path), **OPTIONS)
-    ours = [r.token_ids for r in llm.generate(PROMPTS, SamplingParams(
-        temperature=0, max_tokens=TOKENS, ignore_eos=True))]
-    assert ours == [greedy_reference(reference, p, TOKENS) for p in PROMPTS]
+    ours, want = served_and_reference(model, path, read_back, mix, OPTIONS, PROMPTS, TOKENS)
+    assert ours == want
 
 
 def test_config_and_experts_on_their_codes(tiny_file):

@@ -11,9 +11,17 @@ llama.cpp writes Mixtral as a `llama` file whose blocks have routers: the llama 
 the map such a file follows instead (`mixture`).
 Gemma's converter stores every RMSNorm weight w as 1 + w (the scale its kernel multiplies
 by) and names the sandwich norms post_attention_norm / ffn_norm / post_ffw_norm.
+DeepSeek's `deepseek2` files keep the latent attention's tensors as the checkpoint has them
+(rope dims in interleaved pairs, which the reader puts in rotate-half order), kv_b_proj
+either whole (`attn_kv_b`, older files) or split per head into `attn_k_b` / `attn_v_b`, and
+the router's correction bias as `exp_probs_b`. GLM-4.5's `glm4moe` has the same router
+(sigmoid, `exp_probs_b`) on grouped-query attention with partial rotary dims in rotate-half
+order; its pre-MLP norm is `post_attention_norm`, and its next-token prediction layers come
+as extra blocks after the model's (with `nextn.*` tensors), which are not read.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # metadata key after "<arch>." -> config.json field, read by every architecture (where set)
@@ -47,7 +55,20 @@ EXPERT_STACKS = frozenset(f"ffn_{p}_exps.weight" for p in ("gate", "up", "down")
 # one-output kernels llama.cpp stores as a vector of inputs: read back as [in, 1]
 COLUMNS = frozenset({"ffn_gate_inp_shexp.weight"})
 # weights our model keeps in float32 whatever the file stores them in (the routers)
-FLOAT_ONLY = frozenset({ROUTER, "ffn_gate_inp_shexp.weight"})
+FLOAT_ONLY = frozenset({ROUTER, "ffn_gate_inp_shexp.weight", "exp_probs_b.bias"})
+
+# DeepSeek's latent attention (model/latent_weights.py's paths); attn_kv_b, attn_k_b and
+# attn_v_b are read into k_up / v_up by the reader
+LATENT_LAYER = {"attn_q_a.weight": ("attn", "q_a_proj", "kernel"),
+                "attn_q_a_norm.weight": ("attn", "q_a_norm", "scale"),
+                "attn_q_b.weight": ("attn", "q_b_proj", "kernel"),
+                "attn_kv_a_mqa.weight": ("attn", "kv_a_proj", "kernel"),
+                "attn_kv_a_norm.weight": ("attn", "kv_a_norm", "scale"),
+                "attn_kv_b.weight": ("attn", "kv_b"),
+                "attn_k_b.weight": ("attn", "k_up"), "attn_v_b.weight": ("attn", "v_up"),
+                "exp_probs_b.bias": ("moe", "router_bias")}
+# latent tensors whose output rows hold rope dims in interleaved pairs
+LATENT_ROPE = frozenset({"attn_q.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight"})
 
 
 @dataclass(frozen=True)
@@ -69,9 +90,85 @@ class Architecture:
     # Gemma: llama.cpp scales queries by 1 / sqrt(head_dim), but by 1 / sqrt(hidden / heads)
     # in the one size (27B) with this many blocks
     wide_query_scale_blocks: int = 0
+    latent: bool = False  # DeepSeek's latent attention (deepseek2)
+    # DeepSeek's router and dense leading blocks: the function giving the config.json
+    # fields (key, config so far, tensors, error) -> dict
+    deepseek_moe: Callable | None = None
+    nextn: bool = False  # blocks past the model's own are next-n prediction layers
 
     def layer_paths(self) -> dict:
         return {**LAYER, **self.layer}
+
+
+# deepseek2 / glm4moe metadata key -> config.json field, as DeepSeek's config.json names them
+_DEEPSEEK_MOE_CONFIG = {"expert_count": "n_routed_experts",
+                        "expert_used_count": "num_experts_per_tok",
+                        "expert_shared_count": "n_shared_experts",
+                        "expert_feed_forward_length": "moe_intermediate_size",
+                        "leading_dense_block_count": "first_k_dense_replace",
+                        "expert_weights_scale": "routed_scaling_factor",
+                        "expert_group_count": "n_group", "expert_group_used_count": "topk_group"}
+_LATENT_CONFIG = {**_DEEPSEEK_MOE_CONFIG, "attention.q_lora_rank": "q_lora_rank",
+                  "attention.kv_lora_rank": "kv_lora_rank",
+                  "rope.dimension_count": "qk_rope_head_dim"}
+SOFTMAX, SIGMOID = 1, 2  # expert_gating_func
+
+
+def glm_config(key, config: dict, tensors: dict, error) -> dict:
+    """config.json fields of a glm4moe file: V3's router (sigmoid only), the rotary share
+    of each head, biases and q/k norms where the tensors have them, and the model's own
+    blocks (block_count counts the next-n prediction layers too; they are left out)."""
+    out = {field: key(name) for name, field in _DEEPSEEK_MOE_CONFIG.items()
+           if key(name) is not None}
+    if key("expert_gating_func", SIGMOID) != SIGMOID:
+        raise error("a glm4moe file with softmax expert gating has no GLM-4.5 counterpart")
+    nextn = int(key("nextn_predict_layers", 0) or 0)
+    out.update(num_hidden_layers=config["num_hidden_layers"] - nextn,
+               num_nextn_predict_layers=0, scoring_func="sigmoid", topk_method="noaux_tc",
+               norm_topk_prob=bool(key("expert_weights_norm", False)),
+               n_group=int(out.get("n_group") or 1), topk_group=int(out.get("topk_group") or 1),
+               partial_rotary_factor=key("rope.dimension_count") / config["head_dim"],
+               attention_bias="blk.0.attn_q.bias" in tensors,
+               use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
+    return out
+
+
+def latent_config(key, config: dict, tensors: dict, error) -> dict:
+    """config.json fields of a deepseek2 file (key: its metadata by name after
+    "deepseek2."; config: the fields read so far). Files written for MLA (key_length_mla
+    set) say one KV head of kv_lora_rank + rope dims; older ones the heads' own sizes.
+    Softmax gating is DeepSeek-V2's router (groups, where any, scored by their best expert,
+    weights not renormalized), sigmoid V3's (the correction bias, groups by their two
+    best). YaRN's attention scale comes as yarn_log_multiplier = 0.1 * mscale_all_dim,
+    mscale taken equal to it as llama.cpp does."""
+    out = {field: key(name) for name, field in _LATENT_CONFIG.items() if key(name) is not None}
+    mla = key("attention.key_length_mla") is not None
+    rot = out["qk_rope_head_dim"]
+    out["qk_nope_head_dim"] = key("attention.key_length_mla" if mla
+                                  else "attention.key_length") - rot
+    out["v_head_dim"] = key("attention.value_length_mla" if mla else "attention.value_length")
+    out.update(head_dim=rot, num_key_value_heads=config["num_attention_heads"],
+               q_lora_rank=out.get("q_lora_rank") or None)
+    gating = key("expert_gating_func", SOFTMAX)
+    norm = bool(key("expert_weights_norm", False))
+    groups = int(out.get("n_group") or 1)
+    if gating == SIGMOID:
+        out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                   scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=norm,
+                   rope_interleave=True, n_group=groups, topk_group=out.get("topk_group", 1))
+    elif gating == SOFTMAX:
+        if norm:
+            raise error("a deepseek2 file with softmax gating and expert_weights_norm "
+                        "(renormalized top-k weights) has no DeepSeek-V2 counterpart")
+        out.update(scoring_func="softmax", norm_topk_prob=False, topk_method=(
+            "group_limited_greedy" if groups > 1 else "greedy"))
+    else:
+        raise error(f"deepseek2.expert_gating_func {gating} is not served")
+    scaling = config.get("rope_scaling")
+    if scaling and scaling["rope_type"] == "yarn":
+        mscale = round(float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    return out
 
 
 _QWEN2_MOE_CONFIG = {**MOE_CONFIG,
@@ -109,6 +206,17 @@ ARCHITECTURES = {
     "olmoe": Architecture("OlmoeForCausalLM", "olmoe", config=MOE_CONFIG,
                           defaults={"norm_topk_prob": False}, layer=MOE_LAYER, experts=True,
                           expert_fields=("intermediate_size", "num_experts")),
+    # DeepSeek-V2 / V2-Lite / V3 / R1 / Kimi K2: config fields from the metadata in
+    # latent_config (softmax gating is V2's router, sigmoid V3's).
+    "deepseek2": Architecture("DeepseekV2ForCausalLM", "deepseek_v2", layer={
+        **MOE_LAYER, **LATENT_LAYER}, experts=True, latent=True,
+        deepseek_moe=latent_config,
+        expert_fields=("moe_intermediate_size", "n_routed_experts")),
+    "glm4moe": Architecture("Glm4MoeForCausalLM", "glm4_moe", layer={
+        **MOE_LAYER, "post_attention_norm.weight": ("post_norm", "scale"),
+        "exp_probs_b.bias": ("moe", "router_bias")}, experts=True, nextn=True,
+        deepseek_moe=glm_config,
+        expert_fields=("moe_intermediate_size", "n_routed_experts")),
     # Window layers alternate with full ones (llama.cpp's pattern 2); soft-caps in metadata.
     "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", config={
         **_GEMMA_CONFIG, "attn_logit_softcapping": "attn_logit_softcapping",
@@ -150,7 +258,7 @@ def derived_config(arch: Architecture, config: dict, tensors: dict) -> dict:
         out["layer_types"] = ["sliding_attention" if w else "full_attention"
                               for w in config["sliding_window_pattern"]]
         out["sliding_window_pattern"] = None
-    if not arch.experts:
+    if not arch.experts or arch.deepseek_moe:
         return out
     out["mlp_only_layers"] = [i for i in range(config["num_hidden_layers"])
                               if f"blk.{i}.{ROUTER}" not in tensors]
@@ -160,3 +268,4 @@ def derived_config(arch: Architecture, config: dict, tensors: dict) -> dict:
         if shape is not None:
             out.update(zip(fields, shape[1:]))
     return out
+

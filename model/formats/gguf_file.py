@@ -9,8 +9,8 @@ our forms by model/formats/gguf_tensors.py; nothing is converted or stored twice
 
 Architectures: model/formats/gguf_arch.py maps each one as data (GGUF's `llama` for Llama,
 Mistral, SmolLM and, with experts, Mixtral; `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`, `olmoe`,
-`gemma2`, `gemma3`); this module reads a file as its architecture's map says, and refuses one
-with no map by name.
+`gemma2`, `gemma3`, `deepseek2`, `glm4moe`); this module reads a file as its architecture's
+map says, and refuses one with no map by name.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from model import latent_weights
 from model.config import ModelConfig
 from model.formats import gguf_arch, gguf_index
 from model.formats.gguf_tensors import (FLOAT_TYPES, embedding, permute_rows, tensor_form,
@@ -94,7 +95,11 @@ def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     scaling = key("rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling == "yarn" and spec.latent:  # the attention scale: gguf_arch.latent_config
+        scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                   "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                   "beta_fast": 32.0, "beta_slow": 1.0}
+    elif scaling not in (None, "none"):
         if scaling != "linear":
             raise GGUFError(f"{arch}.rope.scaling.type {scaling!r} is not served")
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
@@ -122,6 +127,8 @@ def hf_config(meta: dict, tensors: dict, rope_freqs: np.ndarray | None = None) -
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": _dtype(tensors),
     }
+    if spec.deepseek_moe:
+        config.update(spec.deepseek_moe(key, config, tensors, GGUFError))
     config.update(gguf_arch.derived_config(spec, config, tensors))
     return config
 
@@ -282,12 +289,22 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
     for t in _tensors(files, pointer["tensors"]):
         if t.name == "rope_freqs.weight":  # read into config.json's rope_scaling
             continue
+        block = re.match(r"blk\.(\d+)\.", t.name)
+        if spec.nextn and block and int(block.group(1)) >= cfg.num_layers:
+            continue  # a next-n prediction layer: not the model's own
         target = _target(t.name, names)
         if target is None:
             raise GGUFError(f"unexpected tensor {t.name!r} in {files[0].name}")
         path, layer, short = target
         kind = short.split(".")[0]
         unpermute = heads.get(kind) if spec.permuted_qk else None
+        if path[-1] in ("kv_b", "k_up", "v_up"):  # a latent's up-projections, as float32
+            for up_path, value in _latent_up(t, short, layer, cfg):
+                filler.set(("layers",) + up_path, layer, value, t.name)
+            label = t.tensor_type.name + (" (dequantized at load)"
+                                          if t.tensor_type not in FLOAT_TYPES else "")
+            kinds.setdefault("k_up/v_up", set()).add(label)
+            continue
         if short in gguf_arch.EXPERT_STACKS:  # [E, out, in]: one expert at a time
             values = [_our_form(t, t.data[e], t.shape[:2], path, unpermute)
                       for e in range(t.shape[2])]
@@ -295,6 +312,9 @@ def load_gguf_weights(folder: Path, cfg: ModelConfig, quantize: str | None
                 filler.set(path, layer, value, t.name, expert=e)
         else:
             values = [_our_form(t, t.data, t.shape, path, unpermute)]
+            if cfg.rope_interleaved and short in gguf_arch.LATENT_ROPE:
+                values = [permute_rows(values[0], latent_weights.rope_halves_order(
+                    cfg, latent=short == "attn_kv_a_mqa.weight"))]
             if spec.norm_offset and short.endswith("norm.weight"):
                 values = [values[0] - np.float32(spec.norm_offset)]
             if short in gguf_arch.FLOAT_ONLY:
@@ -328,6 +348,20 @@ def _our_form(t, data: np.ndarray, shape: tuple[int, ...], path: tuple[str, ...]
         raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, shape {t.shape}) "
                         f"cannot be read: {e}") from e
     return permute_rows(value, unpermute_order(value.shape[-1], heads)) if heads else value
+
+
+def _latent_up(t, short: str, layer: int, cfg: ModelConfig) -> list:
+    """[(path under the layer, float32 value)] of k_up [H, nope, r] and v_up [H, r, v]:
+    from attn_kv_b (the checkpoint's kv_b_proj [H * (nope + v), r]) or from one of its
+    per-head halves attn_k_b [H, r, nope] / attn_v_b [H, v, r]."""
+    from gguf.quants import dequantize
+    w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(
+        tuple(reversed(t.shape)))
+    if short == "attn_kv_b.weight":
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        return [(path[1:], part) for path, part, _ in latent_weights.split_kv_b(name, w, cfg)[1]]
+    part = "k_up" if short == "attn_k_b.weight" else "v_up"
+    return [(("attn", part), np.ascontiguousarray(w.transpose(0, 2, 1)))]
 
 
 def _kind(path: tuple[str, ...]) -> str:
