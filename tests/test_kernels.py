@@ -389,33 +389,37 @@ def tiny_mistral(tmp_path_factory):
     return folder
 
 
-def test_engine_pallas_matches_reference_on_tiny_mistral(tiny_mistral, monkeypatch):
+MISTRAL_PROMPTS = [np.random.default_rng(0).integers(3, 211, n).tolist() for n in (5, 20, 33)]
+
+
+@pytest.fixture(scope="module")
+def mistral_reference_tokens(tiny_mistral):
+    return greedy_tokens(tiny_mistral, "reference", MISTRAL_PROMPTS, max_tokens=10,
+                         load_format="dummy")
+
+
+def test_engine_pallas_matches_reference_on_tiny_mistral(tiny_mistral, mistral_reference_tokens,
+                                                         monkeypatch):
     small_tiles(monkeypatch, num_splits=2)  # + the flash-decoding combine
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 211, n).tolist() for n in (5, 20, 33)]
-    want = greedy_tokens(tiny_mistral, "reference", prompts, max_tokens=10, load_format="dummy")
-    got = greedy_tokens(tiny_mistral, "pallas", prompts, max_tokens=10, load_format="dummy")
-    assert got == want
+    got = greedy_tokens(tiny_mistral, "pallas", MISTRAL_PROMPTS, max_tokens=10,
+                        load_format="dummy")
+    assert got == mistral_reference_tokens
 
 
 @pytest.mark.skipif(NATIVE, reason="a CPU path")
-def test_engine_cpu_kernel_matches_reference_on_tiny_mistral(tiny_mistral):
+def test_engine_cpu_kernel_matches_reference_on_tiny_mistral(tiny_mistral,
+                                                             mistral_reference_tokens):
     """The kernel inside the model: 3 layers of one cache array, a window of 7, head dim 12,
     prompts longer than a 16-token step."""
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 211, n).tolist() for n in (5, 20, 33)]
-    want = greedy_tokens(tiny_mistral, "reference", prompts, max_tokens=10, load_format="dummy")
-    got = greedy_tokens(tiny_mistral, "cpu", prompts, max_tokens=10, load_format="dummy")
-    assert got == want
+    got = greedy_tokens(tiny_mistral, "cpu", MISTRAL_PROMPTS, max_tokens=10, load_format="dummy")
+    assert got == mistral_reference_tokens
 
 
-def test_engine_page_block_kernel_matches_reference_on_tiny_mistral(tiny_mistral):
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, 211, n).tolist() for n in (5, 20, 33)]
-    want = greedy_tokens(tiny_mistral, "reference", prompts, max_tokens=10, load_format="dummy")
-    got = greedy_tokens(tiny_mistral, "pallas_pages", prompts, max_tokens=10,
+def test_engine_page_block_kernel_matches_reference_on_tiny_mistral(tiny_mistral,
+                                                                    mistral_reference_tokens):
+    got = greedy_tokens(tiny_mistral, "pallas_pages", MISTRAL_PROMPTS, max_tokens=10,
                         load_format="dummy")
-    assert got == want
+    assert got == mistral_reference_tokens
 
 
 DEMO_PROMPTS = [[1, 4093, 28, 1476, 2041, 314], list(range(200, 237)), [504, 3458, 282]]
