@@ -157,7 +157,7 @@ def test_serve_answers_on_either_rank_as_one_engine(models, results, tmp_path):
 
 def test_what_data_parallel_attention_refuses(models):
     """Before the weights load: a dense model, experts that do not split, too few devices,
-    and the options it does not run yet."""
+    latent attention, and the options it does not run yet."""
     from model.config import ModelConfig
     from serving.core.config import EngineConfig
     from serving.engine.dp_attention import check, check_model
@@ -169,6 +169,9 @@ def test_what_data_parallel_attention_refuses(models):
         check_model(cfg, 4, 2)
     with pytest.raises(ValueError, match="for mixture-of-experts models"):
         check_model(dataclasses.replace(cfg, num_experts=0), 2, 2)
+    with pytest.raises(ValueError, match=r"does not run latent attention \(Qwen3MoeForCausal"
+                                         r"LM\) yet; use --tensor-parallel-size 2"):
+        check_model(dataclasses.replace(cfg, kv_lora_rank=16), 2, 2)
     options = EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
                            tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1, --enable-lora"):

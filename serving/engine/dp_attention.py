@@ -57,6 +57,11 @@ def check_model(cfg: ModelConfig, n: int, num_devices: int, expert_parallel: boo
     if num_processes > 1 and n != num_devices:
         raise ValueError(f"over several processes every device is a rank: "
                          f"--data-parallel-size must be {num_devices}, got {n}")
+    if cfg.latent:
+        raise ValueError(f"--data-parallel-size with --enable-expert-parallel does not run "
+                         f"latent attention ({cfg.architecture}) yet; use "
+                         f"--tensor-parallel-size {n} --enable-expert-parallel, or "
+                         f"--data-parallel-size {n} alone for replicas")
     if expert_parallel and not cfg.num_experts:
         raise ValueError(f"--enable-expert-parallel is for mixture-of-experts models; "
                          f"{cfg.architecture} has no experts")
