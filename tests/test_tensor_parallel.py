@@ -109,7 +109,7 @@ def cases(models, demo_checkpoint) -> dict:
         "qwen2-moe": dict(model=str(models["qwen2_moe"]), sizes=[1, 2, 4],
                           options=dict(cpu, quantize="none"), kv_heads=1),
         "qwen2-moe-expert-parallel": dict(
-            model=str(models["qwen2_moe"]), sizes=[1, 2, 4], kv_heads=1,
+            model=str(models["qwen2_moe"]), sizes=[2, 4], kv_heads=1, tp1="qwen2-moe",
             options=dict(cpu, quantize="none", enable_expert_parallel=True)),
         "qwen3-moe-int8-expert-parallel": dict(
             model=str(models["qwen3_moe"]), sizes=[1, 2], kv_heads=1,

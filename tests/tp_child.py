@@ -19,10 +19,11 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 # One bucket each: the same tokens come out of any bucket on a CPU (batch invariance), and
-# every program costs seconds to compile.
+# every program costs seconds to compile. A TP=1 engine saves its programs to the executable
+# cache and loads them on the next run (a sharded one compiles: only one device's programs
+# are saved).
 SMALL = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
-             token_buckets=(16,), request_buckets=(4,), progress=False,
-             compilation_cache_dir="")
+             token_buckets=(16,), request_buckets=(4,), progress=False)
 MAX_TOKENS = 8
 PROMPTS = [[3, 5, 7, 9, 11, 13, 15], [17, 19, 23], [29, 31, 37, 41, 43, 47, 53, 59, 61, 67]]
 
