@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [(7 * i) % 200 + 3 for i in range(37)]]
 # Default buckets; two slots for three adapters, so the scheduler holds some back.
 OPTIONS = dict(enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128,
-               max_num_seqs=8, progress=False, compilation_cache_dir=None)
+               max_num_seqs=8, progress=False)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -57,7 +57,7 @@ def test_adapter_over_a_quantized_base_matches_peft(quantize, tmp_path):
             "sql": [greedy_reference(tuned, p, MAX_TOKENS) for p in PROMPTS]}
     assert want["sql"] != want[None]
     llm = LLM(str(tmp_path / "base"), quantize=quantize, enable_lora=True, max_model_len=128,
-              max_num_seqs=4, progress=False, compilation_cache_dir=None)
+              max_num_seqs=4, progress=False)
     assert quantize in llm.engine.quantization
     sql = LoRARequest("sql", 1, str(tmp_path / "sql"))
     out = llm.generate(PROMPTS * 2, GREEDY, lora_request=[sql, sql, None, None])
