@@ -186,7 +186,8 @@ def _joinable(kernels) -> bool:
                 and len({k.block[0] for k in kernels}) == 1)
     for grouped in (Int4Array, Int8GroupArray):
         if any(isinstance(k, grouped) for k in kernels):
-            return all(isinstance(k, grouped) for k in kernels)
+            return (all(isinstance(k, grouped) for k in kernels)
+                    and (grouped is Int4Array or len({k.group for k in kernels}) == 1))
     if all(not isinstance(k, QuantArray) for k in kernels):
         return len({k.dtype for k in kernels}) == 1
     return (all(isinstance(k, QuantArray) for k in kernels)

@@ -36,7 +36,7 @@ from model.layers import embed
 from model.runtime_params import prepare_params
 from quant.array import QuantArray
 from quant.fp8_blocks import Fp8BlockArray
-from quant.int4 import GROUP, Int4Array, is_quantized
+from quant.int4 import Int4Array, is_quantized
 from quant.int8_groups import Int8GroupArray
 
 AXIS = "model"
@@ -155,20 +155,22 @@ def _cut(leaf, axis: int, start: int, stop: int):
 
 
 def _cut_grouped(leaf, axis: int, start: int, stop: int):
-    """A weight in groups of 32 (int4, 8-bit groups): along the grouped axis the codes and
-    the groups they fill, in whole groups only; along the other axis every array alike."""
+    """A weight in groups (int4 in groups of 32, 8-bit groups of 32 or 16): along the grouped
+    axis the codes and the groups they fill, in whole groups only; along the other axis
+    every array alike."""
     fields = [f.name for f in dataclasses.fields(leaf)]
     axis = axis % leaf.ndim
     grouped_axis = leaf.ndim - 2 if leaf.scale.shape[-1] == leaf.values.shape[-1] \
         else leaf.ndim - 1
     if axis != grouped_axis:
         return type(leaf)(*(_take(getattr(leaf, f), axis, start, stop) for f in fields))
-    if start % GROUP or stop % GROUP:
+    group = leaf.values.shape[axis] // leaf.scale.shape[axis]
+    if start % group or stop % group:
         raise ValueError("The input size is not aligned with the quantized weight shape. This "
                          "can be caused by too large tensor parallel size. (weights quantized "
-                         f"in groups of {GROUP} inputs split between devices in whole groups; "
+                         f"in groups of {group} inputs split between devices in whole groups; "
                          f"this split gives a device inputs {start} to {stop})")
-    groups = (start // GROUP, stop // GROUP)
+    groups = (start // group, stop // group)
     return type(leaf)(_take(leaf.values, axis, start, stop),
                       *(_take(getattr(leaf, f), axis, *groups) for f in fields[1:]))
 

@@ -1,29 +1,50 @@
 """int8 weight matmul on CPUs with a scale per group: `x @ W` with W in GGUF's Q8_0 form
-(int8 codes and a scale d per group of 32 values of k and per column: W = d * code), by our
-C++ kernel (cpu/q8_0_matmul.cc).
+(int8 codes and a scale d per group of 32 values of k and per column: W = d * code) or in
+its Q6_K form (the same in groups of 16, codes q - 32), by our C++ kernel
+(cpu/q8_0_matmul.cc).
 
 The codes are packed once, at load, in panels of 16 columns (`pack_panels`), in
 q8_matmul's byte order; d stays float16 or float32 (float16 gives the same bits either way).
 Each row of x is rounded to int16 per group of 32 with a scale of its own, as for the int4
-kernel, each group's products are summed as integers and the groups are added in order
-with one FMA each; `q8_0_matmul_reference` is the same product in plain jnp, to the bit.
+kernel, whatever the weights' group; each weight group's products are summed as integers
+and the weight groups are added in order with one FMA each (in groups of 16, the two
+halves of an activation group one after the other); `q8_0_matmul_reference` is the same
+product in plain jnp, to the bit. The weights' group follows from the shapes (d has K / g
+rows); the kernel takes K % 32 == 0, so weights in groups of 16 with K an odd multiple of
+16 stay on the plain-XLA path (quant/packed.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_ffi, q8_matmul_cpu
-from pallas_kernels.q4_matmul_cpu import fma_chain, quantize_groups, scale_dtype
+from pallas_kernels.q4_matmul_cpu import GROUP, fma_chain, quantize_groups, scale_dtype
 
 PANEL = 16  # columns per panel
-GROUP = 32  # values of k per scale
+WEIGHT_GROUPS = (16, 32)  # values of k per weight scale the kernel takes; GROUP per x scale
+
+
+def fits(K: int, N: int, group: int) -> bool:
+    """Whether the kernel takes a weight [K, N] in groups of `group` values of k."""
+    return K % GROUP == 0 and N % PANEL == 0 and group in WEIGHT_GROUPS
+
+
+def weight_group(K: int, scale_rows: int) -> int:
+    """The weights' group: K over the rows of d, one of WEIGHT_GROUPS, or a clear error."""
+    group = K // scale_rows if scale_rows else 0
+    if group not in WEIGHT_GROUPS or group * scale_rows != K:
+        raise ValueError(f"q8_0_matmul takes weights in groups of 16 or 32 values of k; "
+                         f"got K = {K} with {scale_rows} rows of scales")
+    return group
 
 
 def pack_panels(codes, d):
-    """codes int8[K, N], d float[K // 32, N] -> (int8[K, N] holding the panels, pairs of k
-    side by side: flat[p, k // 2, j, k % 2] = codes[k, 16p + j]; d as [N // 16, K // 32, 16]
-    in `scale_dtype(d)`: float16 stays float16, any other float becomes float32).
+    """codes int8[K, N], d float[K // g, N] (g = 32 or 16) -> (int8[K, N] holding the
+    panels, pairs of k side by side: flat[p, k // 2, j, k % 2] = codes[k, 16p + j]; d as
+    [N // 16, K // g, 16] in `scale_dtype(d)`: float16 stays float16, any other float
+    becomes float32).
 
     The codes keep the [in, out] shape (Flax checks a weight's shape against its
     declaration); only the order of the bytes differs."""
@@ -31,26 +52,29 @@ def pack_panels(codes, d):
     if K % GROUP or N % PANEL:
         raise ValueError(f"q8_0_matmul takes K % {GROUP} == 0 and N % {PANEL} == 0, "
                          f"not [{K}, {N}]")
+    H = K // weight_group(K, jnp.shape(d)[0])
     packed = q8_matmul_cpu.pack_panels(jnp.asarray(codes, jnp.int8))
-    dp = jnp.asarray(d).astype(scale_dtype(d)).reshape(K // GROUP, N // PANEL, PANEL)
+    dp = jnp.asarray(d).astype(scale_dtype(d)).reshape(H, N // PANEL, PANEL)
     return packed, dp.transpose(1, 0, 2)
 
 
 def unpack_panels(packed, dp):
-    """The inverse of `pack_panels`: (codes int8[K, N], d [K // 32, N])."""
+    """The inverse of `pack_panels`: (codes int8[K, N], d [K // g, N])."""
     K, N = packed.shape
-    return q8_matmul_cpu.unpack_panels(packed), dp.transpose(1, 0, 2).reshape(K // GROUP, N)
+    return q8_matmul_cpu.unpack_panels(packed), dp.transpose(1, 0, 2).reshape(-1, N)
 
 
 def q8_0_matmul(x, packed, dp):
     """x: float[..., K] @ the packed weight [K, N] -> [..., N] in x's dtype."""
-    N = packed.shape[1]
-    return cpu_ffi.matmul("q8_0_matmul", x, N, packed, dp.reshape(-1))
+    K, N = packed.shape
+    return cpu_ffi.matmul("q8_0_matmul", x, N, packed, dp.reshape(-1),
+                          group=np.int64(weight_group(K, dp.shape[-2])))
 
 
 def q8_0_matmul_reference(x, codes, d):
     """The kernel's product from unpacked codes int8[K, N] and d float16 or float32
-    [K // 32, N], in plain jnp, group by group in the kernel's order: the same bits."""
+    [K // g, N], in plain jnp, weight group by weight group in the kernel's order: the
+    same bits."""
     K, N = codes.shape
     d32 = jnp.asarray(d).astype(scale_dtype(d)).astype(jnp.float32)
     y = fma_chain(*_reference_terms(x.reshape(-1, K), jnp.asarray(codes), d32))
@@ -59,12 +83,13 @@ def q8_0_matmul_reference(x, codes, d):
 
 @jax.jit
 def _reference_terms(x, codes, d):
-    """x [T, K], codes [K, N], float32 d [G, N] -> the kernel's a, b [G, T, N]: per group g,
-    y += float(s) * (d * dx)."""
-    (T, K), N = x.shape, codes.shape[1]
-    G = K // GROUP
+    """x [T, K], codes [K, N], float32 d [H, N] -> the kernel's a, b [H, T, N]: per weight
+    group h, y += float(s) * (d * dx), dx the scale of x's group of 32 holding h."""
+    (T, K), (H, N) = x.shape, d.shape
+    group = weight_group(K, H)
     xq, xs = quantize_groups(x.astype(jnp.float32))
-    sums = jnp.einsum("tgk,gkn->gtn", xq.reshape(T, G, GROUP).astype(jnp.int32),
-                      codes.reshape(G, GROUP, N).astype(jnp.int32),
+    sums = jnp.einsum("thk,hkn->htn", xq.reshape(T, H, group).astype(jnp.int32),
+                      codes.reshape(H, group, N).astype(jnp.int32),
                       preferred_element_type=jnp.int32)
-    return sums.astype(jnp.float32), d[:, None] * xs.T[..., None]
+    dx = jnp.repeat(xs.T, GROUP // group, axis=0)  # [H, T]: each weight group's x scale
+    return sums.astype(jnp.float32), d[:, None] * dx[..., None]

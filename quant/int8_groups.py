@@ -1,15 +1,17 @@
-"""Int8GroupArray: 8-bit codes with one scale per group of 32 along the axis a weight is
-summed over, GGUF's Q8_0 form (and the grouped 8-bit checkpoints mapped onto it).
+"""Int8GroupArray: 8-bit codes with one scale per group of g values along the axis a weight
+is summed over: g = 32 for GGUF's Q8_0 form (and the grouped 8-bit checkpoints mapped onto
+it), g = 16 for GGUF's Q6_K (codes q - 32, a scale per sub-block of 16).
 
 A kernel [in, out] groups its inputs; an embedding table [V, H] groups H, the inputs of the
 tied head it also is:
 
-    kernel: W[k, n] = scale[k // 32, n] * values[k, n]      scale [..., in // 32, out]
-    table:  E[v, h] = scale[v, h // 32] * values[v, h]      scale [..., V, H // 32]
+    kernel: W[k, n] = scale[k // g, n] * values[k, n]      scale [..., in // g, out]
+    table:  E[v, h] = scale[v, h // g] * values[v, h]      scale [..., V, H // g]
 
-The scale's shape says which (`group_axis`): one axis of it is 32 times shorter than the
-values', the other the same. Scales are float16 (Q8_0's own) or float32 where a format's
-scale is not exact in float16. `.T` turns a table into its head kernel.
+The shapes say which (`group_axis`) and how long a group is (`group`): one axis of the scale
+is g times shorter than the values', the other the same. Scales are float16 (Q8_0's own) or
+float32 where a format's scale is not exact in float16. `.T` turns a table into its head
+kernel.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 
 from quant.array import ValuesShaped
 
-GROUP = 32  # values per scale along the summed axis
+GROUP = 32  # values per scale along the summed axis, as `quantize_int8_groups` makes them
 QMAX = 127
 
 
@@ -28,7 +30,7 @@ QMAX = 127
 @dataclass
 class Int8GroupArray(ValuesShaped):
     values: jax.Array  # int8 [..., A, B]
-    scale: jax.Array  # float16 | float32: [..., A // 32, B] (kernel) or [..., A, B // 32] (table)
+    scale: jax.Array  # float16 | float32: [..., A // g, B] (kernel) or [..., A, B // g] (table)
 
     @property
     def scheme(self) -> str:
@@ -40,6 +42,12 @@ class Int8GroupArray(ValuesShaped):
         return -2 if self.scale.shape[-1] == self.values.shape[-1] else -1
 
     @property
+    def group(self) -> int:
+        """Values per scale along the grouped axis: 32 (Q8_0, Q5_0) or 16 (Q6_K)."""
+        axis = self.group_axis
+        return self.values.shape[axis] // self.scale.shape[axis]
+
+    @property
     def T(self) -> "Int8GroupArray":
         """The last two axes swapped: a table [V, H] becomes the head kernel [H, V]."""
         return Int8GroupArray(self.values.swapaxes(-1, -2), self.scale.swapaxes(-1, -2))
@@ -48,13 +56,13 @@ class Int8GroupArray(ValuesShaped):
         return dequantize_int8_groups(self, dtype)
 
 
-def expand_scale(scale, axis: int):
-    """A group scale repeated over its 32 values along `axis`."""
-    return jnp.repeat(scale, GROUP, axis=axis)
+def expand_scale(scale, group: int, axis: int):
+    """A group scale repeated over its `group` values along `axis`."""
+    return jnp.repeat(scale, group, axis=axis)
 
 
 def dequantize_int8_groups(q: Int8GroupArray, dtype=jnp.float32) -> jax.Array:
-    s = expand_scale(q.scale.astype(jnp.float32), q.group_axis)
+    s = expand_scale(q.scale.astype(jnp.float32), q.group, q.group_axis)
     return (q.values.astype(jnp.float32) * s).astype(dtype)
 
 
@@ -86,6 +94,9 @@ def take_rows(table: Int8GroupArray, ids, dtype):
 
 
 def concat_int8_groups(arrays: list[Int8GroupArray]) -> Int8GroupArray:
-    """Kernels joined along the output axis (q/k/v, gate/up)."""
+    """Kernels joined along the output axis (q/k/v, gate/up), all in groups of one size."""
+    if len({a.group for a in arrays}) > 1:
+        raise ValueError("8-bit group kernels join only in groups of one size; got "
+                         f"{sorted({a.group for a in arrays})}")
     return Int8GroupArray(jnp.concatenate([a.values for a in arrays], axis=-1),
                           jnp.concatenate([a.scale for a in arrays], axis=-1))

@@ -5,7 +5,8 @@ float32 / bfloat16 / float16 weight, or the 8-bit codes and scales of any other 
 (fp8; int8 in shapes the q8 kernel does not take), computed weight-only.
 
 PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py, PackedQ80,
-an 8-bit group weight (quant/int8_groups.py, GGUF's Q8_0) for pallas_kernels/q8_0_matmul_cpu.py,
+an 8-bit group weight (quant/int8_groups.py: GGUF's Q8_0 in groups of 32, its Q6_K in groups
+of 16) for pallas_kernels/q8_0_matmul_cpu.py,
 and PackedFp8Blocks, fp8 codes with block scales (quant/fp8_blocks.py, DeepSeek-V3's) for
 pallas_kernels/fp8_block_matmul_cpu.py.
 
@@ -161,7 +162,7 @@ def q4_matmul(x, w: PackedQ4):
 @dataclass
 class PackedQ80:
     codes: jax.Array  # int8[in, out], in the kernel's byte order (see q8_0_matmul_cpu)
-    scale: jax.Array  # float16 | float32 [out // 16, in // 32, 16]
+    scale: jax.Array  # float16 | float32 [out // 16, in // g, 16], g = 32 or 16
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -169,11 +170,12 @@ class PackedQ80:
 
 
 def int8_groups_packable(w) -> bool:
-    """A concrete kernel [in, out] Int8GroupArray in whole panels, with the kernel built."""
+    """A concrete kernel [in, out] Int8GroupArray in whole panels, in groups the kernel
+    takes and its inputs in whole groups of 32 (the activations'), with the kernel built."""
     if not (isinstance(w, Int8GroupArray) and w.ndim == 2 and w.group_axis == -2
             and not isinstance(w.values, jax.core.Tracer)):
         return False
-    return (w.shape[1] % q8_0_matmul_cpu.PANEL == 0
+    return (q8_0_matmul_cpu.fits(*w.shape, w.group)
             and jax.default_backend() == "cpu" and cpu_ffi.available("q8_0_matmul"))
 
 

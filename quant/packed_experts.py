@@ -6,7 +6,7 @@ packs a layer's weight (quant/packed.py):
   "dense" (weight-only, rows independent of their batch);
 - int8 per output channel in the q8 kernel's shapes: "q8", as a dense layer's int8 weight;
 - int4 in groups (GGUF's Q4_1 form, quant/int4.py): "q4";
-- int8 in groups (GGUF's Q8_0 form, quant/int8_groups.py): "q8_0";
+- int8 in groups (GGUF's Q8_0 form, or Q6_K's in groups of 16, quant/int8_groups.py): "q8_0";
 - fp8 with block scales (DeepSeek-V3's form, quant/fp8_blocks.py): "fp8_blocks", the codes
   never widened.
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import (dense_matmul_cpu, fp8_block_matmul_cpu, grouped_matmul_cpu,
-                            q4_matmul_cpu, q8_matmul_cpu)
+                            q4_matmul_cpu, q8_0_matmul_cpu, q8_matmul_cpu)
 from quant.array import QuantArray
 from quant.fp8_blocks import Fp8BlockArray
 from quant.int4 import Int4Array
@@ -44,7 +44,8 @@ def _kind(w) -> str | None:
     if isinstance(w, Int4Array):
         return "q4" if w.shape[-1] % q4_matmul_cpu.PANEL == 0 else None
     if isinstance(w, Int8GroupArray):
-        return "q8_0" if w.group_axis == -2 and w.shape[-1] % 16 == 0 else None
+        fits = w.group_axis == -2 and q8_0_matmul_cpu.fits(*w.shape[-2:], w.group)
+        return "q8_0" if fits else None
     if isinstance(w, QuantArray):
         if w.scale.shape[-2] != 1:
             return None

@@ -210,7 +210,9 @@ def describe(params) -> str:
     def name(a) -> str:
         if isinstance(a, Fp8BlockArray):
             return a.describe()
-        if isinstance(a, (Int4Array, Int8GroupArray)):
+        if isinstance(a, Int8GroupArray):
+            return f"{a.scheme} per group of {a.group}"
+        if isinstance(a, Int4Array):
             return f"{a.scheme} per group of 32"
         return f"{a.scheme} per " + ("tensor" if a.per_tensor else "channel")
     schemes = sorted({name(a) for a in quantized})

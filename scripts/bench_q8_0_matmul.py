@@ -1,5 +1,6 @@
 """Time one matmul at a time for int8 weights with a scale per group of 32 inputs (GGUF's
-Q8_0) through our CPU kernel, against int8 weights with a scale per output channel through
+Q8_0) and per group of 16 (GGUF's Q6_K: 6-bit codes, float32 scales) through our CPU kernel,
+against int8 weights with a scale per output channel through
 theirs and float32 weights through XLA's dot, in SmolLM2-135M's shapes: the head (576 x
 49152) and a layer's (576 x 1536, 1536 x 576, 576 x 576).
 
@@ -24,13 +25,20 @@ import numpy as np  # noqa: E402
 from pallas_kernels import q8_0_matmul_cpu, q8_matmul_cpu  # noqa: E402
 
 SHAPES = ((576, 49152), (576, 1536), (1536, 576), (576, 576))  # [in, out]
-# q8_0-f32: the same codes with their scales as float32 (GGUF's are float16)
-FORMS = ("q8_0", "q8_0-f32", "q8", "f32")
+# q8_0-f32: the same codes with their scales as float32 (GGUF's are float16); q6_k: codes
+# -32..31 in groups of 16 with float32 scales
+FORMS = ("q8_0", "q8_0-f32", "q6_k", "q8", "f32")
 
 
 def weight(form: str, k: int, n: int, rng):
     """The form's operands for a random [k, n] weight, and the matmul taking them."""
     w = rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k)
+    if form == "q6_k":
+        groups = w.reshape(k // 16, 16, n)
+        d = np.abs(groups).max(axis=1) / 31
+        codes = np.clip(np.round(groups / d[:, None]), -32, 31).astype(np.int8).reshape(k, n)
+        return q8_0_matmul_cpu.pack_panels(codes, d.astype(np.float32)), \
+            q8_0_matmul_cpu.q8_0_matmul
     if form.startswith("q8_0"):
         groups = w.reshape(k // 32, 32, n)
         d = np.abs(groups).max(axis=1) / 127

@@ -1,5 +1,6 @@
 """GGUF files served as they are (model/formats/gguf_file.py, gguf_tensors.py): each block type
-read exactly as llama.cpp reads it, onto the int4 kernel where it maps, tiny models of each
+read exactly as llama.cpp reads it, onto the int4 and 8-bit group kernels where it maps (Q6_K
+in 8-bit groups of 16), tiny models of each
 family token for token against transformers on the same (dequantized) weights, the demo's
 own file, and clear errors for damaged files."""
 from __future__ import annotations
@@ -16,11 +17,12 @@ from gguf.quants import dequantize, quantize
 
 from model.checkpoint import load_model
 from model.formats.gguf_file import GGUFError, gguf_folder
-from model.formats.gguf_tensors import tensor_form, unpermute_order
+from model.formats.gguf_tensors import embedding, tensor_form, unpermute_order
 from model.formats.param_tree import dequantize_np
 from model.hf_weights import _target
 from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
+from quant.recipe import describe as describe_quantization
 from serving import LLM, SamplingParams
 from tests.gguf_tiny import LLAMA3_ROPE, permute_for_llama_cpp, write_gguf
 from tests.hf_tiny import greedy_reference, tiny_hf_model
@@ -30,11 +32,13 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_
 OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
                token_buckets=(4, 16), request_buckets=(4,), page_buckets=(16,), progress=False)
 # Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), the 8-bit group
-# kernel's (Q8_0, Q5_0), dequantized ones (Q5_1, F16) and float32.
-# llama's ffn_down differs between layers, as a Q4_K_M file's does.
-MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "ffn_down": T.Q4_0,
+# kernel's (Q8_0, Q5_0 in groups of 32, Q6_K in groups of 16), dequantized ones (Q5_1, F16)
+# and float32. llama's attn_v and ffn_down differ between layers and its head is Q6_K, as a
+# Q4_K_M file's are (its sizes are multiples of Q6_K's 256).
+MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0,
+                   "blk.1.attn_v": T.Q6_K, "ffn_down": T.Q4_0, "blk.0.ffn_down": T.Q6_K,
                    "blk.1.ffn_down": T.Q5_1, "ffn_gate": T.Q4_1, "ffn_up": T.F16,
-                   "output": T.Q8_0, "token_embd": T.Q8_0},
+                   "output": T.Q6_K, "token_embd": T.Q8_0},
          "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
                    "token_embd": T.Q4_1},
          "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0,
@@ -59,6 +63,7 @@ def tiny_gguf(request, tmp_path_factory, gguf_cache):
         overrides["num_key_value_heads"] = 2
     if family == "llama":  # Llama 3's rope scaling, written as llama.cpp's rope_freqs
         overrides["rope_parameters"] = LLAMA3_ROPE
+        overrides.update(hidden_size=256, intermediate_size=256)  # Q6_K's super-blocks
     model = tiny_hf_model(family, out / "hf", seed=5, **overrides)
     path, expected = write_gguf(model, family, out / f"{family}.gguf", MIXES[family])
     return family, model, path, expected
@@ -98,6 +103,41 @@ def test_q4_k_runs_on_the_int4_form_exactly():
     np.testing.assert_array_equal(dequantize_np(value), want)
 
 
+def random_q6_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q6_K blocks of random codes and int8 scales (all of -128 .. 127) and float16 d."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    d = (rng.random((rows, cols // 256, 1)) * 0.01).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_q6_k_runs_on_8_bit_groups_of_16_exactly():
+    """A kernel and an embedding table: codes q - 32, float32 scales d * sc per 16 values,
+    equal to the gguf package's dequantization bit for bit."""
+    data = random_q6_k(48, 512, seed=2)
+    want = np.asarray(dequantize(data, T.Q6_K), np.float32).reshape(48, 512)
+    kernel = tensor_form(data, T.Q6_K, (512, 48))
+    table = embedding(data, T.Q6_K, (512, 48))
+    for value, shape, dense in ((kernel, (512 // 16, 48), want.T), (table, (48, 512 // 16), want)):
+        assert isinstance(value, Int8GroupArray) and value.group == 16
+        assert value.scale.shape == shape and value.scale.dtype == np.float32
+        assert value.values.min() == -32 and value.values.max() == 31
+        np.testing.assert_array_equal(dequantize_np(value), dense)
+        np.testing.assert_array_equal(np.asarray(value.dequantize()), dense)
+    assert kernel.group_axis == -2 and table.group_axis == -1
+
+
+def test_q6_k_experts_stack_on_their_codes():
+    """A stack of experts (ffn_*_exps: [E, out, in] in the file) read expert by expert."""
+    data = random_q6_k(3 * 32, 256, seed=3).reshape(3, 32, -1)
+    want = np.asarray(dequantize(data, T.Q6_K), np.float32).reshape(3, 32, 256)
+    for e in range(3):
+        value = tensor_form(data[e], T.Q6_K, (256, 32))
+        assert isinstance(value, Int8GroupArray) and value.group == 16
+        np.testing.assert_array_equal(dequantize_np(value), want[e].T)
+
+
 def test_unpermute_undoes_llama_cpp_rotary_order():
     w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(64, 3)
     np.testing.assert_array_equal(permute_for_llama_cpp(w, 4)[unpermute_order(64, 4)], w)
@@ -105,9 +145,10 @@ def test_unpermute_undoes_llama_cpp_rotary_order():
 
 # -- whole files -------------------------------------------------------------------------------
 
-def test_weights_equal_the_files_dequantization(tiny_gguf):
+def test_weights_equal_the_files_dequantization(tiny_gguf, caplog):
     family, model, path, expected = tiny_gguf
-    cfg, params = load_model(gguf_folder(path))
+    with caplog.at_level("INFO", logger="xlaserve"):
+        cfg, params = load_model(gguf_folder(path))
     per_layer = isinstance(params["layers"], list)  # where a weight's layers differ in form
     assert per_layer == (family == "llama")
     for hf_name, want in expected.items():
@@ -121,13 +162,24 @@ def test_weights_equal_the_files_dequantization(tiny_gguf):
                        "attn_k": ("attn", "k_proj")}.items():
         if kind in mix:
             kernel = _leaf(params, ("layers", *path, "kernel"), 0)
-            assert isinstance(kernel, Int4Array) == (mix[kind] in (T.Q4_0, T.Q4_1)), kind
+            kind_type = mix.get(f"blk.0.{kind}", mix[kind])
+            assert isinstance(kernel, Int4Array) == (kind_type in (T.Q4_0, T.Q4_1)), kind
     if mix.get("attn_v") in (T.Q8_0, T.Q5_0):  # the 8-bit group kernel's
         assert isinstance(_leaf(params, ("layers", "attn", "v_proj", "kernel"), 0),
                           Int8GroupArray)
     if per_layer:  # layer 1's ffn_down is Q5_1, which no kernel takes
         assert isinstance(_leaf(params, ("layers", "mlp", "down_proj", "kernel"), 1),
                           jax.Array)
+        # Q6_K in groups of 16: layer 0's ffn_down, layer 1's attn_v (beside layer 0's Q8_0
+        # in groups of 32) and the head
+        for path, layer, group in ((("mlp", "down_proj"), 0, 16), (("attn", "v_proj"), 1, 16),
+                                   (("attn", "v_proj"), 0, 32)):
+            kernel = _leaf(params, ("layers", *path, "kernel"), layer)
+            assert isinstance(kernel, Int8GroupArray) and kernel.group == group, (path, layer)
+        head = params["lm_head"]["kernel"]
+        assert isinstance(head, Int8GroupArray) and head.group == 16
+        assert "int8 per group of 16" in describe_quantization(params)
+        assert "Q6_K -> int8 per group of 16 (float32 scales) on q8_0_matmul" in caplog.text
 
 
 def _leaf(params, path, layer):

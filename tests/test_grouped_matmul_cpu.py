@@ -40,10 +40,10 @@ def _q4(scale_dtype):
     return make
 
 
-def _q8_0(scale_dtype):
+def _q8_0(scale_dtype, group=32):
     def make(rng, E, K, N):
         return (rng.integers(-128, 128, (E, K, N)).astype(np.int8),
-                (rng.random((E, K // 32, N)) / 200).astype(scale_dtype))
+                (rng.random((E, K // group, N)) / 200).astype(scale_dtype))
     return make
 
 
@@ -60,6 +60,7 @@ VARIANTS = {
     "q4-float32": ("q4", 64, 16, _q4(np.float32)),
     "q8_0-float16": ("q8_0", 64, 48, _q8_0(np.float16)),
     "q8_0-float32": ("q8_0", 32, 16, _q8_0(np.float32)),
+    "q8_0-groups16": ("q8_0", 96, 32, _q8_0(np.float32, group=16)),  # Q6_K's
 }
 
 # (rows M, group sizes): groups of 0 rows, all rows in one group, one expert, decode's rows
@@ -129,7 +130,8 @@ def test_matches_the_reference(variant):
     np.testing.assert_array_equal(run(kind, x, sizes, pack_experts(kind, *weights)), want)
 
 
-@pytest.mark.parametrize("variant", ["dense-float32", "q8", "q4-float16", "q8_0-float16"])
+@pytest.mark.parametrize("variant", ["dense-float32", "q8", "q4-float16", "q8_0-float16",
+                                     "q8_0-groups16"])
 def test_a_rows_result_does_not_depend_on_its_batch(variant):
     """A row alone in its group, and in a group made longer and with other groups beside
     it, gives the same bits as in the first batch."""

@@ -1,6 +1,6 @@
 """The Q8_0 CPU kernel (pallas_kernels/cpu/q8_0_matmul.cc: int8 codes with a scale per group
-of 32 inputs and column) against its plain-jnp reference, bit for bit, and against the
-float64 product of the weight it stands for."""
+of 32 inputs and column, or of 16 for Q6_K) against its plain-jnp reference, bit for bit,
+and against the float64 product of the weight it stands for."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,20 +11,19 @@ from pallas_kernels.q8_0_matmul_cpu import (GROUP, PANEL, pack_panels, q8_0_matm
                                             q8_0_matmul_reference, unpack_panels)
 
 
-def weight(rng, K, N, dtype=np.float16):
-    """Codes over the whole int8 range; float32 scales a float16 times a 6-bit integer, as
-    GGUF's K-quants make them, most of them not float16 values."""
+def weight(rng, K, N, dtype=np.float16, group=GROUP):
+    """Codes over the whole int8 range, a scale per `group` values of k; float32 scales a
+    float16 times a 6-bit integer, as GGUF's K-quants make them, most of them not float16
+    values."""
     codes = rng.integers(-128, 128, (K, N)).astype(np.int8)
-    d = (rng.random((K // GROUP, N)) / 50 + 1e-4).astype(np.float16)
+    d = (rng.random((K // group, N)) / 50 + 1e-4).astype(np.float16)
     if dtype == np.float32:
         d = d.astype(np.float32) / 63 * rng.integers(1, 64, d.shape).astype(np.float32)
     return codes, d
 
 
 def dense(codes, d):
-    K, N = codes.shape
-    w = codes.reshape(K // GROUP, GROUP, N).astype(np.float64) * d.astype(np.float64)[:, None]
-    return w.reshape(K, N)
+    return codes.astype(np.float64) * np.repeat(d.astype(np.float64), len(codes) // len(d), 0)
 
 
 def check(x, codes, d):
@@ -42,15 +41,16 @@ def test_the_kernel_builds_here():
     assert cpu_ffi.available("q8_0_matmul")
 
 
+@pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_shapes_match_the_reference(seed):
+def test_random_shapes_match_the_reference(seed, group):
     rng = np.random.default_rng(seed)
     K = GROUP * int(rng.integers(1, 40))
     N = PANEL * int(rng.integers(1, 20))
     T = int(rng.integers(1, 71))
     dtype = (np.float16, np.float32)[seed % 2]
     x = (rng.standard_normal((T, K)) * rng.random((T, 1)) * 10).astype(np.float32)
-    check(x, *weight(rng, K, N, dtype))
+    check(x, *weight(rng, K, N, dtype, group))
 
 
 @pytest.mark.parametrize("T,K,N", [(1, 576, 1536), (16, 1536, 576), (64, 576, 576),
@@ -60,9 +60,10 @@ def test_the_model_shapes(T, K, N):
     check(rng.standard_normal((T, K)).astype(np.float32), *weight(rng, K, N))
 
 
-def test_a_row_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("group", [32, 16])
+def test_a_row_does_not_depend_on_the_rows_beside_it(group):
     rng = np.random.default_rng(7)
-    packed = pack_panels(*weight(rng, 1536, 64, np.float32))
+    packed = pack_panels(*weight(rng, 1536, 64, np.float32, group))
     x = (rng.standard_normal((70, 1536)) * rng.random((70, 1))).astype(np.float32)
     together = np.asarray(q8_0_matmul(x, *packed))
     for r in range(70):
@@ -153,3 +154,40 @@ def test_leading_axes_and_dtype():
     want = q8_0_matmul_reference(x, codes, d)
     assert want.shape == got.shape and want.dtype == got.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_groups_of_16_sum_each_half_of_an_activation_group_on_its_own():
+    """Two weight groups of 16 under one activation group of 32: each half's integer sum
+    times its own scale, the halves in order; the same codes in groups of 32 with the
+    scales of either half give other sums."""
+    rng = np.random.default_rng(8)
+    codes, d = weight(rng, 64, 16, np.float32, group=16)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    got = check(x, codes, d)
+    for half in (0, 1):
+        other = np.asarray(q8_0_matmul_reference(x, codes, d[half::2]))
+        assert not np.array_equal(got, other)
+    same = d.copy()
+    same[1::2] = d[0::2]  # both halves scaled alike: groups of 32, but summed as two FMAs
+    np.testing.assert_allclose(check(x, codes, same),
+                               np.asarray(q8_0_matmul_reference(x, codes, d[0::2])),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_groups_of_16_panels_and_refusals():
+    rng = np.random.default_rng(6)
+    codes, d = weight(rng, 64, 32, np.float32, group=16)
+    packed, dp = pack_panels(codes, d)
+    assert dp.shape == (2, 4, 16) and dp.dtype == jnp.float32
+    assert np.asarray(dp)[1, 3, 5] == d[3, 16 + 5]
+    back_codes, back_d = unpack_panels(packed, dp)
+    np.testing.assert_array_equal(np.asarray(back_d), d)
+    np.testing.assert_array_equal(np.asarray(back_codes), codes)
+    with pytest.raises(ValueError, match="K % 32"):  # the activations' groups of 32
+        pack_panels(codes[:48], d[:3])
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        pack_panels(codes, d[:3])
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    with pytest.raises(Exception, match="group 16 or 32"):  # the scales' count disagrees
+        np.asarray(cpu_ffi.matmul("q8_0_matmul", x, 32, packed, dp.reshape(-1),
+                                  group=np.int64(32)))

@@ -12,13 +12,20 @@ blocks along the inputs. The blocks we map exactly:
   table in Q8_0 stays in it too (its rows are looked up, and it is the tied head's weight).
 - Q5_0 (float16 d, 32 high bits, nibbles): W = d * (q - 16), an Int8GroupArray whose codes
   are q - 16 (-16 .. 15), a table too.
+- Q6_K (super-blocks of 256: 6-bit codes q, an int8 scale sc per sub-block of 16, float16
+  d): W = (d * sc) * (q - 32), an Int8GroupArray in groups of 16 whose codes are q - 32
+  (-32 .. 31) and whose scales are float32 (a float16 times an int8, exact in float32);
+  a table too. Llama.cpp's Q4_K_M mix gives it the output head and about half of attn_v /
+  ffn_down.
 - F32 / F16 / BF16: float.
 
-Every other type (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by the
+Every other type (Q5_1, Q5_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by the
 `gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
 Nibble order in a 32-value block: value j < 16 in the low nibble of byte j, value j + 16 in
 its high nibble. Q4_K's 64-value chunks hold sub-block 2c in the low nibbles and 2c + 1 in
-the high ones.
+the high ones. A Q6_K super-block is two halves of 128 values: half h's 64 bytes of ql hold
+values 128h + b in their low nibbles and 128h + 64 + b in their high ones, its 32 bytes of
+qh the two high bits of value 128h + 32i + j in bits 2i, 2i + 1 of byte j.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0)  # on our int4 and 8-bit group forms
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K)  # on int4 and 8-bit groups
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -97,7 +104,22 @@ def _q5_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
     return Int8GroupArray(codes.astype(np.int8).reshape(rows, cols), _f16(blocks[..., 0:2]))
 
 
-GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0}  # the types read onto Int8GroupArray
+def _q6_k(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q6_K rows -> Int8GroupArray [rows, cols] in groups of 16 along the row, codes q - 32
+    and float32 scales d * sc (210-byte super-blocks: ql, qh, sc, d)."""
+    blocks = data.reshape(rows, cols // 256, 210)
+    ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = (ql >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # [.., half, nibble, byte]
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # [.., half, i, byte]
+    q = low.reshape(rows, -1, 256) | (high.reshape(rows, -1, 256) << 4)
+    codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(blocks[..., 208:210]).astype(np.float32)
+    return Int8GroupArray(codes, (d[..., None] * sc).reshape(rows, cols // 16))
+
+
+GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q6_K: _q6_k}  # read onto Int8GroupArray
 
 
 def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
@@ -122,7 +144,7 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
 
 
 def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]):
-    """token_embd as our table [vocab, hidden]: Q8_0 and Q5_0 on their codes (an
+    """token_embd as our table [vocab, hidden]: Q8_0, Q5_0 and Q6_K on their codes (an
     Int8GroupArray), every other type read exactly into float32."""
     if kind in GROUP8_TYPES:
         return GROUP8_TYPES[kind](data, shape[1], shape[0])

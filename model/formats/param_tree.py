@@ -4,8 +4,9 @@ A loader hands each weight over already in our orientation (kernels [in, out]) a
 our forms: a float numpy array, a `QuantArray`, an `Int4Array`, an `Int8GroupArray` or an
 `Fp8BlockArray` of numpy arrays; a mixture's experts one expert at a time, stacked here into
 the layer's [E, in, out] kernel. Layers are stacked on a leading axis where each weight's
-layers share a form; where a file mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in Q6_K, which no kernel
-of ours takes), the layers stay a list of trees, each in its own form, and `notes` says so.
+layers share a form; where a file mixes them (a Q4_K_M GGUF keeps some layers' ffn_down in
+Q6_K, int8 in groups of 16, beside Q4_K ones in int4), the layers stay a list of trees, each
+in its own form, and `notes` says so.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def form(value) -> str:
     if isinstance(value, Int4Array):
         return f"int4 ({np.dtype(value.scale.dtype).name} scales)"
     if isinstance(value, Int8GroupArray):
-        return f"int8 per group of 32 ({np.dtype(value.scale.dtype).name} scales)"
+        return f"int8 per group of {value.group} ({np.dtype(value.scale.dtype).name} scales)"
     if isinstance(value, QuantArray):
         scheme = "int8" if np.dtype(value.values.dtype) == np.int8 else "fp8"
         return f"{scheme} per {'tensor' if value.scale.shape[-2:] == (1, 1) else 'channel'}"
@@ -88,10 +89,8 @@ def dequantize_np(value) -> np.ndarray:
              + value.zero.astype(np.float32)[..., None, :])
         return w.reshape(*lead, k, n)
     if isinstance(value, Int8GroupArray):
-        axis = -2 if value.scale.shape[-1] == value.values.shape[-1] else -1
         return value.values.astype(np.float32) * np.repeat(
-            value.scale.astype(np.float32), value.values.shape[axis] // value.scale.shape[axis],
-            axis=axis)
+            value.scale.astype(np.float32), value.group, axis=value.group_axis)
     if isinstance(value, QuantArray):
         return value.values.astype(np.float32) * value.scale.astype(np.float32)
     if isinstance(value, Fp8BlockArray):

@@ -1,31 +1,37 @@
-// y[T, N] = x[T, K] @ W[K, N] with W int8 in groups of 32 along k: for k in group g,
-// W[k][n] = d[g][n] * c[k][n], codes c in -128..127 and one scale d per group and column,
-// float16 or float32. This is GGUF's Q8_0 (whose codes stop at -127), so a Q8_0 checkpoint
-// runs on its own weights.
+// y[T, N] = x[T, K] @ W[K, N] with W int8 in groups of WG = 32 or 16 along k (the `group`
+// attribute): for k in group h, W[k][n] = d[h][n] * c[k][n], codes c in -128..127 and one
+// scale d per group and column, float16 or float32. In groups of 32 this is GGUF's Q8_0
+// (whose codes stop at -127), in groups of 16 its Q6_K (codes q - 32, d the float32 product
+// of a super-block's float16 scale and a sub-block's int8 one), so either checkpoint runs
+// on its own weights.
 //
-// Each row of x is rounded to int16 per group of 32, as q4_matmul.cc rounds it
-// (x ~ dx[r][g] * xq[r][k], |xq| <= 32767; group_quant.h), so a group's 32 products are one
-// exact integer sum s = sum_k xq[r][k] * c[k][n] (at most 32 * 128 * 32767 < 2^31), summed
-// by vpmaddwd on the codes widened to int16 in registers. Then, group by group in a fixed
-// order and with one rounding per FMA,
-//   y += float(s) * (d[g][n] * dx[r][g])
+// Each row of x is rounded to int16 per group of 32 (whatever WG), as q4_matmul.cc rounds
+// it (x ~ dx[r][g] * xq[r][k], |xq| <= 32767; group_quant.h), so a weight group's WG
+// products are one exact integer sum s = sum_k xq[r][k] * c[k][n] (at most
+// 32 * 128 * 32767 < 2^31), summed by vpmaddwd on the codes widened to int16 in registers.
+// Then, weight group by weight group in ascending order (in groups of 16, the two halves of
+// an activation group one after the other) and with one rounding per FMA,
+//   y += float(s) * (d[h][n] * dx[r][h * WG / 32])
 // A row's result depends only on the row: not on the rows beside it, the tile or the
 // threads.
 //
 // W comes packed in panels of 16 columns with pairs of k side by side, as q8_matmul.cc
 // takes it: panel[p][k / 2][j][k % 2] = c[k][16p + j], so the 32 codes of a pair of k are
 // one contiguous load, and vpmaddwd multiplies them by a broadcast pair (xq[k], xq[k + 1]).
-// d is [panel][group][16]. Within a panel, tiles of up to 6 rows keep their integer sums in
-// registers for a group and add them into y (in memory, where they stay in L1) at its end.
+// d is [panel][weight group][16]. Within a panel, tiles of up to 6 rows keep their integer
+// sums in registers for a weight group and add them into y (in memory, where they stay in
+// L1) at its end.
 // There is no AVX-512 variant: on such a CPU the same AVX2 code runs.
 //
-// Functions templated on S take the scales' storage: uint16_t (float16 bits) or float.
+// Functions templated on S take the scales' storage: uint16_t (float16 bits) or float; on WG
+// the weights' group.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "group_quant.h"
@@ -38,7 +44,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kNR = 16;  // columns per panel: two AVX2 registers of int32
-constexpr int64_t kGroup = xlaserve::kQuantGroup;  // values of k per scale
+constexpr int64_t kGroup = xlaserve::kQuantGroup;  // values of k per activation scale
 constexpr int64_t kMaxTile = 6;  // rows per tile: 12 sums, 2 codes, 1 broadcast, 1 product
 
 // Rows [r0, r1) of x [T, K] rounded per group into the layout the tiles read: for the tile
@@ -106,44 +112,50 @@ inline void Emit(float* y, __m256i s0, __m256i s1, float dx, __m256 d0, __m256 d
 }
 
 // A decode step's few rows leave the loads too little arithmetic to hide behind: ask for
-// the codes and scales kAhead groups (4 KiB of codes) on, into the next panel near a
-// panel's end, which the same thread usually takes next; a prefetch past the weights' end
-// is dropped, never a fault. On the demo's head (576 x 49152) at 1 to 6 rows this measured
-// about 1.5x faster; at 16 rows, where later tiles find the panel in cache, no slower.
+// the codes and scales of the weight group 4 KiB of codes on (kAhead groups of 32), into
+// the next panel near a panel's end, which the same thread usually takes next; a prefetch
+// past the weights' end is dropped, never a fault. On the demo's head (576 x 49152) at 1 to
+// 6 rows this measured about 1.5x faster; at 16 rows, where later tiles find the panel in
+// cache, no slower.
 constexpr int64_t kAhead = 8;
-template <typename S>
+template <int64_t WG, typename S>
 inline void Prefetch(const int8_t* w, const S* dp) {
-  for (int i = 0; i < kGroup * kNR; i += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kGroup * kNR + i), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(dp + kAhead * kNR), _MM_HINT_T0);
+  constexpr int64_t ahead = kAhead * kGroup / WG;  // weight groups
+  for (int i = 0; i < WG * kNR; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + ahead * WG * kNR + i), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(dp + ahead * kNR), _MM_HINT_T0);
 }
 
 // R <= 6 quantized rows (a tile of QuantizeRows' layout) against one panel -> R x 16 of y.
-// The sums are named variables: GCC spills an array of this many to the stack.
-template <int R, typename S>
+// Weight group h starts at pair h * WG / 2 of the panel's codes and of the tile's rows; its
+// activation scale is that of group h * WG / 32. The sums are named variables: GCC spills
+// an array of this many to the stack.
+template <int R, int64_t WG, typename S>
 void Tile(const int32_t* xt, const float* dx, int64_t K, const int8_t* panel, const S* dp,
           float* y, int64_t N) {
   static_assert(R >= 1 && R <= kMaxTile);
-  const int64_t G = K / kGroup;
+  static_assert(WG == 16 || WG == 32);
+  const int64_t H = K / WG;
   const __m256i z = _mm256_setzero_si256();
 #define XLASERVE_ROW(r) \
   if constexpr (R > r) MaddAdd(xp + r, w0, w1, a##r##0, a##r##1);
 #define XLASERVE_EMIT(r) \
-  if constexpr (R > r) Emit(y + r * N, a##r##0, a##r##1, dx[g * R + r], d0, d1, g == 0);
-  for (int64_t g = 0; g < G; ++g) {
+  if constexpr (R > r) Emit(y + r * N, a##r##0, a##r##1, dx[g * R + r], d0, d1, h == 0);
+  for (int64_t h = 0; h < H; ++h) {
     __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z,
             a41 = z, a50 = z, a51 = z;
-    const int8_t* w = panel + g * kGroup * kNR;
-    const int32_t* xp = xt + g * (kGroup / 2) * R;
-    Prefetch(w, dp + g * kNR);
-    for (int i = 0; i < kGroup / 2; ++i, w += 2 * kNR, xp += R) {
+    const int64_t g = h * WG / kGroup;
+    const int8_t* w = panel + h * WG * kNR;
+    const int32_t* xp = xt + h * (WG / 2) * R;
+    Prefetch<WG>(w, dp + h * kNR);
+    for (int i = 0; i < WG / 2; ++i, w += 2 * kNR, xp += R) {
       __m256i w0, w1;
       LoadPair(w, w0, w1);
       XLASERVE_ROW(0) XLASERVE_ROW(1) XLASERVE_ROW(2) XLASERVE_ROW(3) XLASERVE_ROW(4)
       XLASERVE_ROW(5)
     }
-    const __m256 d0 = xlaserve::LoadScales8(dp + g * kNR);
-    const __m256 d1 = xlaserve::LoadScales8(dp + g * kNR + 8);
+    const __m256 d0 = xlaserve::LoadScales8(dp + h * kNR);
+    const __m256 d1 = xlaserve::LoadScales8(dp + h * kNR + 8);
     XLASERVE_EMIT(0) XLASERVE_EMIT(1) XLASERVE_EMIT(2) XLASERVE_EMIT(3) XLASERVE_EMIT(4)
     XLASERVE_EMIT(5)
   }
@@ -151,22 +163,22 @@ void Tile(const int32_t* xt, const float* dx, int64_t K, const int8_t* panel, co
 #undef XLASERVE_EMIT
 }
 
-template <int R, typename S>
+template <int R, int64_t WG, typename S>
 void TileOf(int64_t rows, const int32_t* xt, const float* dx, int64_t K, const int8_t* panel,
             const S* dp, float* y, int64_t N) {
   if constexpr (R > 1) {
-    if (rows < R) return TileOf<R - 1, S>(rows, xt, dx, K, panel, dp, y, N);
+    if (rows < R) return TileOf<R - 1, WG, S>(rows, xt, dx, K, panel, dp, y, N);
   }
-  Tile<R, S>(xt, dx, K, panel, dp, y, N);
+  Tile<R, WG, S>(xt, dx, K, panel, dp, y, N);
 }
 
 // Rows [0, T) against one panel, in tiles of at most kMaxTile rows as even as can be.
-template <typename S>
+template <int64_t WG, typename S>
 void Panel(int64_t T, const int32_t* xt, const float* dx, int64_t K, const int8_t* panel,
            const S* dp, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   xlaserve::EvenTiles(T, kMaxTile, [&](int64_t r, int64_t n) {
-    TileOf<kMaxTile, S>(n, xt + r * (K / 2), dx + r * G, K, panel, dp, y + r * N, N);
+    TileOf<kMaxTile, WG, S>(n, xt + r * (K / 2), dx + r * G, K, panel, dp, y + r * N, N);
   });
 }
 
@@ -203,37 +215,51 @@ Quantized QuantizeRuns(ffi::ThreadPool& pool, const float* x, int64_t E, const i
 }
 
 // x [T, K] (T > 0) through QuantizeRuns, then the panels split over the pool's threads.
-template <typename S>
+template <int64_t WG, typename S>
 void Run(ffi::ThreadPool& pool, const float* xp, int64_t T, int64_t K, int64_t N,
          const int8_t* cp, const S* dp, float* yp) {
-  const int64_t G = K / kGroup;
+  const int64_t H = K / WG;
   const int64_t bounds[2] = {0, T};
   const Quantized q = QuantizeRuns(pool, xp, 1, bounds, K);
   xlaserve::ParallelFor(pool, N / kNR, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      Panel<S>(T, q.xt, q.dx, K, cp + p * K * kNR, dp + p * G * kNR, yp + p * kNR, N);
+      Panel<WG, S>(T, q.xt, q.dx, K, cp + p * K * kNR, dp + p * H * kNR, yp + p * kNR, N);
   }, /*grain=*/2);
 }
 
+// fn(std::integral_constant<int64_t, WG>{}) for the weights' group `group` (16 or 32); any
+// other is the caller's InvalidArgument with `message`.
+template <typename F>
+ffi::Error WithWeightGroup(int64_t group, const char* message, F&& fn) {
+  switch (group) {
+    case 16: return fn(std::integral_constant<int64_t, 16>{});
+    case 32: return fn(std::integral_constant<int64_t, 32>{});
+    default: return ffi::Error::InvalidArgument(message);
+  }
+}
+
 ffi::Error Q80Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                     ffi::AnyBuffer d, ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::AnyBuffer d, ffi::ResultBuffer<ffi::F32> y, int64_t group) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
     return ffi::Error::InvalidArgument("q8_0_matmul: x must be [T, K] and y [T, N]");
   const int64_t T = xd[0], K = xd[1], N = yd[1];
   constexpr const char* kShapes =
-      "q8_0_matmul: K % 32 == 0, N % 16 == 0, K * N int8 codes in panels of 16 columns, "
-      "d K / 32 * N float16 or float32 values";
-  if (N % kNR != 0 || K % kGroup != 0 || static_cast<int64_t>(codes.element_count()) != K * N ||
-      static_cast<int64_t>(d.element_count()) != K / kGroup * N)
+      "q8_0_matmul: group 16 or 32, K % 32 == 0, N % 16 == 0, K * N int8 codes in panels of "
+      "16 columns, d K / group * N float16 or float32 values";
+  if ((group != 16 && group != 32) || N % kNR != 0 || K % kGroup != 0 ||
+      static_cast<int64_t>(codes.element_count()) != K * N ||
+      static_cast<int64_t>(d.element_count()) != K / group * N)
     return ffi::Error::InvalidArgument(kShapes);
-  return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
-    using S = decltype(tag);
-    if (T > 0)
-      Run<S>(pool, x.typed_data(), T, K, N, codes.typed_data(),
-             static_cast<const S*>(d.untyped_data()), y->typed_data());
-    return ffi::Error::Success();
+  return WithWeightGroup(group, kShapes, [&](auto wg) {
+    return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
+      using S = decltype(tag);
+      if (T > 0)
+        Run<decltype(wg)::value, S>(pool, x.typed_data(), T, K, N, codes.typed_data(),
+                                    static_cast<const S*>(d.untyped_data()), y->typed_data());
+      return ffi::Error::Success();
+    });
   });
 }
 
@@ -242,27 +268,27 @@ ffi::Error Q80Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // packed as above). Each row is rounded and goes through the same tiles as in the single
 // kernel, so it gets the same bits whatever its group's size. Work items are (expert, panel)
 // pairs; experts without rows are skipped.
-template <typename S>
+template <int64_t WG, typename S>
 void RunGrouped(ffi::ThreadPool& pool, const float* xp, int64_t E, const int64_t* bounds,
                 int64_t K, int64_t N, const int8_t* cp, const S* dp, float* yp) {
-  const int64_t G = K / kGroup, panels = N / kNR;
+  const int64_t G = K / kGroup, H = K / WG, panels = N / kNR;
   const Quantized q = QuantizeRuns(pool, xp, E, bounds, K);
   xlaserve::ParallelFor(pool, E * panels, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = i / panels, p = i % panels, s = bounds[e];
       if (bounds[e + 1] == s) continue;
-      Panel<S>(bounds[e + 1] - s, q.xt + s * (K / 2), q.dx + s * G, K,
-               cp + (e * K * N + p * K * kNR), dp + (e * G * N + p * G * kNR),
-               yp + s * N + p * kNR, N);
+      Panel<WG, S>(bounds[e + 1] - s, q.xt + s * (K / 2), q.dx + s * G, K,
+                   cp + (e * K * N + p * K * kNR), dp + (e * H * N + p * H * kNR),
+                   yp + s * N + p * kNR, N);
     }
   });
 }
 
-// x [M, K], group_sizes [E], codes E * K * N, d E * K / 32 * N: group e's rows against
+// x [M, K], group_sizes [E], codes E * K * N, d E * K / group * N: group e's rows against
 // expert e's weight; rows past the groups are zeros.
 ffi::Error Q80MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S8> codes,
-                            ffi::AnyBuffer d, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::AnyBuffer d, ffi::ResultBuffer<ffi::F32> y, int64_t group) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
@@ -270,24 +296,27 @@ ffi::Error Q80MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t M = xd[0], K = xd[1], N = yd[1];
   const int64_t E = static_cast<int64_t>(group_sizes.element_count());
   constexpr const char* kShapes =
-      "q8_0_matmul_grouped: K % 32 == 0, N % 16 == 0, E weights of K * N int8 codes in "
-      "panels of 16 columns, d E * K / 32 * N float16 or float32 values";
-  if (N % kNR != 0 || K % kGroup != 0 ||
+      "q8_0_matmul_grouped: group 16 or 32, K % 32 == 0, N % 16 == 0, E weights of K * N "
+      "int8 codes in panels of 16 columns, d E * K / group * N float16 or float32 values";
+  if ((group != 16 && group != 32) || N % kNR != 0 || K % kGroup != 0 ||
       static_cast<int64_t>(codes.element_count()) != E * K * N ||
-      static_cast<int64_t>(d.element_count()) != E * (K / kGroup) * N)
+      static_cast<int64_t>(d.element_count()) != E * (K / group) * N)
     return ffi::Error::InvalidArgument(kShapes);
   std::vector<int64_t> bounds;  // group e: rows [bounds[e], bounds[e + 1])
   if (auto error = xlaserve::GroupBounds("q8_0_matmul_grouped", group_sizes, M, bounds);
       error.failure())
     return error;
-  return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
-    using S = decltype(tag);
-    float* yp = y->typed_data();
-    xlaserve::ZeroRowsPast(yp, bounds[E], M, N);
-    if (bounds[E] > 0)
-      RunGrouped<S>(pool, x.typed_data(), E, bounds.data(), K, N, codes.typed_data(),
-                    static_cast<const S*>(d.untyped_data()), yp);
-    return ffi::Error::Success();
+  return WithWeightGroup(group, kShapes, [&](auto wg) {
+    return xlaserve::WithScaleType(d.element_type(), kShapes, [&](auto tag) {
+      using S = decltype(tag);
+      float* yp = y->typed_data();
+      xlaserve::ZeroRowsPast(yp, bounds[E], M, N);
+      if (bounds[E] > 0)
+        RunGrouped<decltype(wg)::value, S>(pool, x.typed_data(), E, bounds.data(), K, N,
+                                           codes.typed_data(),
+                                           static_cast<const S*>(d.untyped_data()), yp);
+      return ffi::Error::Success();
+    });
   });
 }
 
@@ -299,7 +328,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_0_matmul, Q80Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_0_matmul_grouped, Q80MatmulGrouped,
                               ffi::Ffi::Bind()
@@ -308,4 +338,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(xlaserve_q8_0_matmul_grouped, Q80MatmulGrouped,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));
