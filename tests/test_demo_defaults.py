@@ -76,3 +76,29 @@ def test_available_memory_reads_the_os():
     from pathlib import Path
     if Path("/proc/meminfo").exists():
         assert 0 < sizing.available_memory() < 1 << 50
+
+
+@pytest.mark.parametrize("other_server_wrote_it", [True, False])
+def test_two_servers_converting_the_demo_at_once(tmp_path, monkeypatch, other_server_wrote_it):
+    """Two servers started together on a fresh machine both convert the demo model; the one
+    whose rename finds the other's finished checkpoint serves it, any other failure stays."""
+    import errno
+
+    import model.checkpoint
+    import model.demo
+    monkeypatch.setattr(sizing, "default_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(model.demo, "fetch_demo_model", lambda out: out)
+    ckpt = tmp_path / "demo" / "SmolLM2-135M-Instruct"
+
+    def convert_beside_another(hf_dir, out_dir, dtype):
+        if other_server_wrote_it:
+            out_dir.mkdir(parents=True)
+            (out_dir / model.checkpoint.METADATA).write_text("{}")
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", str(out_dir))
+
+    monkeypatch.setattr(model.checkpoint, "convert_hf", convert_beside_another)
+    if other_server_wrote_it:
+        assert sizing.resolve_model_dir(None) == ckpt
+    else:
+        with pytest.raises(OSError, match="Directory not empty"):
+            sizing.resolve_model_dir(None)

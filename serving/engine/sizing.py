@@ -36,7 +36,11 @@ def resolve_model_dir(model: str | None, tokenizer: str | None = None) -> Path:
     if not is_checkpoint(ckpt):
         hf_dir = fetch_demo_model(root / "SmolLM2-135M-Instruct-hf")
         log.info("converting the demo model into %s", ckpt)
-        convert_hf(hf_dir, ckpt, "float32")
+        try:
+            convert_hf(hf_dir, ckpt, "float32")
+        except OSError:
+            if not is_checkpoint(ckpt):  # else a server started beside this one wrote it first
+                raise
     return ckpt
 
 
