@@ -83,7 +83,7 @@ def models(tmp_path_factory):
 def cases(models, demo_checkpoint) -> dict:
     cpu = dict(attention_backend="cpu")
     return {
-        "llama-bias": dict(model=str(models["llama"]), sizes=[1, 4],
+        "llama-bias": dict(model=str(models["llama"]), sizes=[1, 4], restart=[4],
                            options=dict(cpu, quantize="none"), kv_heads=1),
         "mistral-pallas": dict(model=str(models["mistral"]), sizes=[1, 2],
                                options=dict(attention_backend="pallas", quantize="none"),
@@ -121,7 +121,7 @@ def cases(models, demo_checkpoint) -> dict:
         "deepseek-v3": dict(model=str(models["v3"]), sizes=[1, 2], kv_heads=1,
                             options=dict(cpu, quantize="none")),
         "deepseek-v3-expert-parallel": dict(
-            model=str(models["v3"]), sizes=[2, 4], kv_heads=1, tp1="deepseek-v3",
+            model=str(models["v3"]), sizes=[2, 4], restart=[2], kv_heads=1, tp1="deepseek-v3",
             options=dict(cpu, quantize="none", enable_expert_parallel=True)),
         "glm-4.5": dict(model=str(models["glm4_moe"]), sizes=[1, 2], kv_heads=1,
                         options=dict(cpu, quantize="none")),
@@ -202,6 +202,19 @@ def test_tokens_and_logprobs_equal_tp1(results, name, demo_llm):
         share = (one["device_weight_bytes"] - one.get("lora_bytes", 0)) / int(n)
         assert share < tp["device_weight_bytes"] - tp["lora_bytes"] < 1.6 * share
     assert one["mesh"] == 1
+
+
+@pytest.mark.parametrize("name,size", [("llama-bias", "4"),
+                                       ("deepseek-v3-expert-parallel", "2")])
+def test_a_restarted_mesh_loads_its_programs(results, name, size):
+    """A sharded engine's programs are saved for its mesh: built again (a restart), it
+    loads every one of them from the executable cache and answers the same."""
+    spec, out = results
+    first, again = out[name][size], out[name][f"{size}-restart"]
+    assert again["mesh"] == int(size)
+    assert again["programs"] > 0 and again["loaded"] == again["programs"]
+    assert again["tokens"] == first["tokens"]
+    assert again["logprobs"] == first["logprobs"]
 
 
 def test_latent_cache_is_whole_on_every_device(results):

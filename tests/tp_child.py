@@ -19,9 +19,8 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 # One bucket each: the same tokens come out of any bucket on a CPU (batch invariance), and
-# every program costs seconds to compile. A TP=1 engine saves its programs to the executable
-# cache and loads them on the next run (a sharded one compiles: only one device's programs
-# are saved).
+# every program costs seconds to compile. Engines save their programs (a sharded one its
+# mesh's) to the executable cache and load them on the next run.
 SMALL = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
              token_buckets=(16,), request_buckets=(4,), progress=False)
 MAX_TOKENS = 8
@@ -44,16 +43,21 @@ def run_case(case: dict) -> dict:
     # per prompt: a LoRA adapter's folder or None (the engine options enable LoRA)
     loras = [path and LoRARequest(f"adapter{i}", i + 1, path)
              for i, path in enumerate(case.get("loras", [None] * len(prompts)))]
-    for n in case["sizes"]:
+    # "restart": the sizes whose engine is built a second time, as a restarted server
+    # would, reporting how many of its programs came from the executable cache
+    runs = [(n, str(n)) for n in case["sizes"]]
+    runs += [(n, f"{n}-restart") for n in case.get("restart", ())]
+    for n, label in runs:
         started = time.perf_counter()
         llm = LLM(case["model"], tensor_parallel_size=n, **{**SMALL, **case["options"]})
         results = llm.generate(prompts, params, lora_request=loras)
         engine = llm.engine
-        out[str(n)] = {
+        out[label] = {
             "tokens": [r.token_ids for r in results],
             "logprobs": [[lp.logprob for lp in r.logprobs] if r.logprobs else None
                          for r in results],
             "programs": engine.warmup_report.programs,
+            "loaded": engine.warmup_report.loaded,
             "mesh": engine.placement.size,
             "kv_heads_per_device": engine.placement.model_cfg.num_kv_heads,
             "experts_per_device": engine.placement.model_cfg.local_experts,

@@ -3,7 +3,8 @@ and compiling each one again.
 
 One file per program, `<slot>.xlx`, where the slot hashes what the program is for: the model
 architecture and the avals of its arguments (weights, KV cache, step buffers), the attention
-backend, the step shape and its buffer layout, the device kind, the host CPU and XLA_FLAGS.
+backend, the step shape and its buffer layout, the devices it runs on (one, or a mesh's, by
+id), the device kind, the host CPU and XLA_FLAGS.
 Weights are arguments, never constants, so two checkpoints of one architecture share their
 programs. The file also records what the
 program was built with (code version, jax and jaxlib versions, platform and device kind) and
@@ -88,11 +89,15 @@ def avals_signature(tree) -> str:
 
 
 class ExecutableCache:
-    def __init__(self, root: str | Path, identity: dict, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, root: str | Path, identity: dict, max_bytes: int = DEFAULT_MAX_BYTES,
+                 devices: list | None = None):
         """identity: JSON-able description of what every program here is for (model
-        architecture, argument avals, backend); each program adds its shape and layout."""
+        architecture, argument avals, backend); each program adds its shape and layout.
+        devices: the ones the programs run on, in their mesh's order (default: the first);
+        a saved program is bound to them."""
         self.root = Path(root)
-        self.identity = identity
+        self.devices = list(devices) if devices else jax.devices()[:1]
+        self.identity = dict(identity, devices=[d.id for d in self.devices])
         self.max_bytes = max_bytes
         self.versions = build_versions()
 
@@ -125,10 +130,10 @@ class ExecutableCache:
                 return self._unusable(path, "foreign", f"needs the CPU kernel {kernel}")
         try:
             serialized, in_tree, out_tree = pickle.loads(payload)
-            # on the one device its programs run on (not every device of the process, which
+            # on the devices its programs run on (not every device of the process, which
             # a process with several devices would otherwise make it expect)
             program = deserialize_and_load(serialized, in_tree, out_tree,
-                                           execution_devices=jax.devices()[:1])
+                                           execution_devices=self.devices)
         except Exception as e:  # noqa: BLE001 - any failure to load means: compile it
             return self._unusable(path, "corrupt", f"{type(e).__name__}: {e}")
         if not _accepts(program, args):

@@ -122,11 +122,12 @@ class LLMEngine:
                           if self.lockstep else
                           mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype,
                                          ec.data_parallel_rank * ec.tensor_parallel_size))
-        # Not for a mesh yet, nor for a data-parallel replica on a device other than the
-        # first (a saved program is bound to its device): those compile at every start.
+        # A saved program is bound to the devices it runs on (a mesh's, or a replica's
+        # own), which are part of its key. Not over several processes: each holds a part
+        # of the mesh, and those compile at every start.
         self.executable_dir = (str(Path(ec.compilation_cache_dir) / "executables")
-                               if ec.compilation_cache_dir and self.placement.size == 1
-                               and ec.data_parallel_rank == 0 else None)
+                               if ec.compilation_cache_dir and jax.process_count() == 1
+                               else None)
         self.draft = DraftModel.for_config(self.speculative_config, ec, on_gpu, self.tokenizer,
                                            self.vocab_size, self.attention_backend,
                                            self.executable_dir)

@@ -206,7 +206,8 @@ class ModelRunner:
                 cache=avals_signature(self._cache_shape), backend=self.backend,
                 page_size=self.page_size, max_logprobs=self.max_logprobs,
                 vocab_size=self.vocab_size,
-                lora=self.lora and avals_signature(self.lora.slots)))
+                lora=self.lora and avals_signature(self.lora.slots),
+                placement=type(self.placement).__name__), devices=self.placement.devices)
         return self._executables
 
     def _load_or_compile(self, lower, args, shape, layout) -> tuple[object, bool]:
