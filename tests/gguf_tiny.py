@@ -2,8 +2,8 @@
 out: GGUF tensor names, a `llama` file's attn_q / attn_k rows permuted for llama.cpp's
 rotary kernel (a `deepseek2` file keeps the checkpoint's own interleaved rope rows), a
 mixture's experts stacked per block (`ffn_{gate,up,down}_exps`, the shared expert's gate a
-vector), matrices quantized by the `gguf` package's own quantizers (Q6_K, which it only
-dequantizes, by `quantize_q6_k`).
+vector), matrices quantized by the `gguf` package's own quantizers (the types it only dequantizes
+by tests/gguf_encoders.py's).
 
     path, expected = write_gguf(model, "llama", tmp / "m.gguf", {"ffn_down": Q4_0})
 
@@ -18,6 +18,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
+
+from tests.gguf_encoders import ENCODERS
 
 # Llama 3's rope scaling with a context short enough that some of head_dim 16's frequencies
 # are scaled in between (written as llama.cpp's rope_freqs, read back from them)
@@ -184,36 +186,13 @@ def _add(writer, name: str, w: np.ndarray, arch: str, heads: dict, types: dict,
         w = permute_for_llama_cpp(w, heads[kind])
     kind_type = (types.get(name.rsplit(".", 1)[0], types.get(kind, default))
                  if w.ndim >= 2 else T.F32)
-    data = (quantize_q6_k(w) if kind_type == T.Q6_K
+    data = (ENCODERS[kind_type](w) if kind_type in ENCODERS
             else quantize(w, kind_type) if kind_type not in (T.F32,) else w)
     writer.add_tensor(name, data, raw_dtype=kind_type)
     back = np.asarray(dequantize(data, kind_type), np.float32).reshape(w.shape)
     if arch == "llama" and kind in heads:  # the loader's job: back to HF's row order
         back = permute_for_llama_cpp_inverse(back, heads[kind])
     return back
-
-
-def quantize_q6_k(w: np.ndarray) -> np.ndarray:
-    """float [..., cols] (cols a multiple of 256) -> Q6_K blocks uint8 [..., cols / 256 * 210]
-    in llama.cpp's layout (ql, qh, int8 sub-block scales, float16 d): a plain round-to-nearest
-    encoding, each sub-block of 16 scaled to its largest value."""
-    *lead, cols = w.shape
-    b = np.asarray(w, np.float32).reshape(-1, cols // 256, 16, 16)
-    sub = np.abs(b).max(-1) / 31  # [rows, blocks, 16]
-    d = (sub.max(-1) / 127).astype(np.float16)
-    d32 = d.astype(np.float32)[..., None]
-    sc = np.round(np.divide(sub, d32, out=np.zeros_like(sub), where=d32 > 0))
-    sc = np.clip(sc, 0, 127).astype(np.int8)
-    s = (d32 * sc)[..., None]
-    q = np.round(np.divide(b, s, out=np.zeros_like(b), where=s > 0))
-    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(*b.shape[:2], 2, 128)  # halves
-    lo, hi = q & 0x0F, (q >> 4).reshape(*b.shape[:2], 2, 4, 32)
-    ql = lo[..., :64] | (lo[..., 64:] << 4)
-    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
-    blocks = np.concatenate([ql.reshape(*b.shape[:2], 128), qh.reshape(*b.shape[:2], 64),
-                             sc.view(np.uint8), d.view(np.uint8).reshape(*b.shape[:2], 2)],
-                            axis=-1)
-    return blocks.reshape(*lead, cols // 256 * 210)
 
 
 def _deepseek_metadata(writer, cfg, mla: bool) -> None:

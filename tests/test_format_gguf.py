@@ -1,6 +1,6 @@
 """GGUF files served as they are (model/formats/gguf_file.py, gguf_tensors.py): each block type
 read exactly as llama.cpp reads it, onto the int4 and 8-bit group kernels where it maps (Q6_K
-in 8-bit groups of 16), tiny models of each
+and Q3_K in 8-bit groups of 16, IQ4_NL and IQ4_XS's levels in groups of 32), tiny models of each
 family token for token against transformers on the same (dequantized) weights, the demo's
 own file, and clear errors for damaged files."""
 from __future__ import annotations
@@ -35,14 +35,15 @@ OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page
 # kernel's (Q8_0, Q5_0 in groups of 32, Q6_K in groups of 16), dequantized ones (Q5_1, F16)
 # and float32. llama's attn_v and ffn_down differ between layers and its head is Q6_K, as a
 # Q4_K_M file's are (its sizes are multiples of Q6_K's 256).
-MIXES = {"llama": {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0,
-                   "blk.1.attn_v": T.Q6_K, "ffn_down": T.Q4_0, "blk.0.ffn_down": T.Q6_K,
-                   "blk.1.ffn_down": T.Q5_1, "ffn_gate": T.Q4_1, "ffn_up": T.F16,
-                   "output": T.Q6_K, "token_embd": T.Q8_0},
+MIXES = {"llama": {"attn_q": T.Q4_0, "blk.1.attn_q": T.IQ4_XS, "attn_k": T.Q4_1,
+                   "attn_v": T.Q8_0, "blk.1.attn_v": T.Q6_K, "ffn_down": T.Q4_0,
+                   "blk.0.ffn_down": T.Q6_K, "blk.1.ffn_down": T.Q5_1, "ffn_gate": T.Q4_1,
+                   "blk.1.ffn_gate": T.Q3_K, "ffn_up": T.F16, "output": T.Q6_K,
+                   "token_embd": T.Q8_0},
          "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
                    "token_embd": T.Q4_1},
          "qwen3": {"attn_k": T.Q4_0, "ffn_down": T.Q4_1, "ffn_gate": T.Q8_0,
-                   "attn_v": T.Q5_0, "token_embd": T.Q5_0}}
+                   "attn_v": T.Q5_0, "ffn_up": T.IQ4_NL, "token_embd": T.Q5_0}}
 PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
 
 
@@ -103,13 +104,23 @@ def test_q4_k_runs_on_the_int4_form_exactly():
     np.testing.assert_array_equal(dequantize_np(value), want)
 
 
-def random_q6_k(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Q6_K blocks of random codes and int8 scales (all of -128 .. 127) and float16 d."""
+# block type -> (values, bytes, where its float16 d is) of each block
+BLOCKS = {T.Q6_K: (256, 210, 208), T.Q3_K: (256, 110, 108), T.IQ4_NL: (32, 18, 0),
+          T.IQ4_XS: (256, 136, 0)}
+
+
+def random_blocks(kind: T, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Blocks of random bytes (every code, scale and high bit) and a small float16 d."""
+    values, size, at = BLOCKS[kind]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
-    d = (rng.random((rows, cols // 256, 1)) * 0.01).astype(np.float16)
-    raw[..., 208:210] = d.view(np.uint8)
+    raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    d = (rng.random((rows, cols // values, 1)) * 0.01).astype(np.float16)
+    raw[..., at:at + 2] = d.view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def random_q6_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    return random_blocks(T.Q6_K, rows, cols, seed)
 
 
 def test_q6_k_runs_on_8_bit_groups_of_16_exactly():
@@ -126,6 +137,25 @@ def test_q6_k_runs_on_8_bit_groups_of_16_exactly():
         np.testing.assert_array_equal(dequantize_np(value), dense)
         np.testing.assert_array_equal(np.asarray(value.dequantize()), dense)
     assert kernel.group_axis == -2 and table.group_axis == -1
+
+
+@pytest.mark.parametrize("kind,group,codes", [(T.Q3_K, 16, (-4, 3)),
+                                              (T.IQ4_NL, 32, (-127, 113)),
+                                              (T.IQ4_XS, 32, (-127, 113))])
+def test_3_bit_k_and_iq4_blocks_run_on_8_bit_groups_exactly(kind, group, codes):
+    """Q3_K's codes -4 .. 3 with float32 scales d * (sc - 32) per 16; IQ4's non-linear
+    levels as codes, with the block's d (IQ4_NL) or float32 d * (ls - 32) per 32 (IQ4_XS):
+    a kernel and a table equal to the gguf package's dequantization bit for bit."""
+    data = random_blocks(kind, 48, 512, seed=int(kind))
+    want = np.asarray(dequantize(data, kind), np.float32).reshape(48, 512)
+    kernel = tensor_form(data, kind, (512, 48))
+    table = embedding(data, kind, (512, 48))
+    for value, dense in ((kernel, want.T), (table, want)):
+        assert isinstance(value, Int8GroupArray) and value.group == group
+        assert (value.values.min(), value.values.max()) == codes
+        np.testing.assert_array_equal(dequantize_np(value), dense)
+        np.testing.assert_array_equal(np.asarray(value.dequantize()), dense)
+    assert kernel.scale.dtype == (np.float16 if kind == T.IQ4_NL else np.float32)
 
 
 def test_q6_k_experts_stack_on_their_codes():
@@ -172,14 +202,22 @@ def test_weights_equal_the_files_dequantization(tiny_gguf, caplog):
                           jax.Array)
         # Q6_K in groups of 16: layer 0's ffn_down, layer 1's attn_v (beside layer 0's Q8_0
         # in groups of 32) and the head
+        # with layer 1's Q3_K ffn_gate (16) and IQ4_XS attn_q (32)
         for path, layer, group in ((("mlp", "down_proj"), 0, 16), (("attn", "v_proj"), 1, 16),
-                                   (("attn", "v_proj"), 0, 32)):
+                                   (("attn", "v_proj"), 0, 32), (("mlp", "gate_proj"), 1, 16),
+                                   (("attn", "q_proj"), 1, 32)):
             kernel = _leaf(params, ("layers", *path, "kernel"), layer)
             assert isinstance(kernel, Int8GroupArray) and kernel.group == group, (path, layer)
         head = params["lm_head"]["kernel"]
         assert isinstance(head, Int8GroupArray) and head.group == 16
         assert "int8 per group of 16" in describe_quantization(params)
         assert "Q6_K -> int8 per group of 16 (float32 scales) on q8_0_matmul" in caplog.text
+        assert "Q3_K -> int8 per group of 16 (float32 scales) on q8_0_matmul" in caplog.text
+        assert "IQ4_XS -> int8 per group of 32 (float32 scales) on q8_0_matmul" in caplog.text
+    if family == "qwen3":  # IQ4_NL's levels on the 8-bit group kernel
+        up = _leaf(params, ("layers", "mlp", "up_proj", "kernel"), 0)
+        assert isinstance(up, Int8GroupArray) and up.group == 32
+        assert "IQ4_NL -> int8 per group of 32 (float16 scales) on q8_0_matmul" in caplog.text
 
 
 def _leaf(params, path, layer):

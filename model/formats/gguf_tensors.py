@@ -19,7 +19,15 @@ blocks along the inputs. The blocks we map exactly:
   ffn_down.
 - F32 / F16 / BF16: float.
 
-Every other type (Q5_1, Q5_K, Q2_K, Q3_K, IQ*) is dequantized at load into float32 by the
+- Q3_K (super-blocks of 256: 2-bit low codes, a high-bit mask, 6-bit scales sc per
+  sub-block of 16, float16 d): W = (d * (sc - 32)) * q with q in -4 .. 3, an
+  Int8GroupArray in groups of 16 with float32 scales (exact: 11 + 6 bits).
+- IQ4_NL (float16 d, 32 nibbles indexing 16 non-linear int8 levels): W = d * level, an
+  Int8GroupArray whose codes are the levels. IQ4_XS (super-blocks of 256, float16 d and a
+  6-bit scale ls per 32): W = (d * (ls - 32)) * level, float32 scales (11 + 6 + 7 bits: exact
+  in float32's 24).
+
+Every other type (Q5_1, Q5_K, Q2_K, other IQ*) is dequantized at load into float32 by the
 `gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
 Nibble order in a 32-value block: value j < 16 in the low nibble of byte j, value j + 16 in
 its high nibble. Q4_K's 64-value chunks hold sub-block 2c in the low nibbles and 2c + 1 in
@@ -38,7 +46,8 @@ from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K)  # on int4 and 8-bit groups
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K, T.Q3_K, T.IQ4_NL,
+                T.IQ4_XS)  # on int4 and 8-bit groups
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -119,7 +128,55 @@ def _q6_k(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
     return Int8GroupArray(codes, (d[..., None] * sc).reshape(rows, cols // 16))
 
 
-GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q6_K: _q6_k}  # read onto Int8GroupArray
+def _q3_k(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q3_K rows -> Int8GroupArray [rows, cols] in groups of 16, codes -4 .. 3 and float32
+    scales d * (sc - 32) (110-byte super-blocks: hmask, qs, 12 bytes of 6-bit scales, d)."""
+    blocks = data.reshape(rows, cols // 256, 110)
+    hmask, qs, packed = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
+    low = (qs.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    high = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    codes = (low.reshape(rows, -1, 256).astype(np.int8)
+             - ((1 - high.reshape(rows, -1, 256)) << 2).astype(np.int8))
+    sc_low = (packed[..., None, 0:8] >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
+    sc_high = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    sc = (sc_low.reshape(rows, -1, 16) | (sc_high.reshape(rows, -1, 16) << 4)).astype(np.int8)
+    d = _f16(blocks[..., 108:110]).astype(np.float32)
+    scale = d[..., None] * (sc - np.int8(32)).astype(np.float32)
+    return Int8GroupArray(codes.reshape(rows, cols), scale.reshape(rows, cols // 16))
+
+
+# IQ4_NL / IQ4_XS's 16 non-linear levels (llama.cpp's kvalues_iq4nl)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                       113], np.int8)
+
+
+def _iq4_nl(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """IQ4_NL rows -> Int8GroupArray [rows, cols]: codes are the levels the nibbles pick,
+    the scale the block's float16 d (18-byte blocks of 32)."""
+    blocks = data.reshape(rows, cols // 32, 18)
+    codes = IQ4_LEVELS[_nibbles32(blocks[..., 2:])]
+    return Int8GroupArray(codes.reshape(rows, cols), _f16(blocks[..., 0:2]))
+
+
+def _iq4_xs(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """IQ4_XS rows -> Int8GroupArray [rows, cols] in groups of 32: levels as IQ4_NL's,
+    float32 scales d * (ls - 32) with 6-bit ls (136-byte super-blocks: d, the scales' two
+    high bits each in a 16-bit word, their low nibbles in 4 bytes, 8 x 16 bytes of
+    nibbles)."""
+    blocks = data.reshape(rows, cols // 256, 136)
+    high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")[..., 0]
+    high = (high[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = (blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F
+    ls = (low.reshape(rows, -1, 8) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    d = _f16(blocks[..., 0:2]).astype(np.float32)
+    codes = IQ4_LEVELS[_nibbles32(blocks[..., 8:].reshape(rows, -1, 8, 16))]
+    scale = d[..., None] * ls.astype(np.float32)
+    return Int8GroupArray(codes.reshape(rows, cols), scale.reshape(rows, cols // 32))
+
+
+# read onto Int8GroupArray
+GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q6_K: _q6_k, T.Q3_K: _q3_k,
+                T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
 
 
 def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
@@ -144,8 +201,9 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
 
 
 def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]):
-    """token_embd as our table [vocab, hidden]: Q8_0, Q5_0 and Q6_K on their codes (an
-    Int8GroupArray), every other type read exactly into float32."""
+    """token_embd as our table [vocab, hidden]: the 8-bit group types (Q8_0, Q5_0, Q6_K,
+    Q3_K, IQ4_NL, IQ4_XS) on their codes (an Int8GroupArray), every other type read exactly
+    into float32."""
     if kind in GROUP8_TYPES:
         return GROUP8_TYPES[kind](data, shape[1], shape[0])
     return np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
