@@ -19,11 +19,14 @@ DATA = ROOT / "tests" / "data"
 # Largest relative perplexity change allowed. Measured by scripts/eval_quality.py on this
 # model (float32, windows of 512 tokens, base 44.84, the engine's attention backend): int8
 # +0.60%, fp8 +0.96%, KV int8 +0.11%, KV fp8 +0.50%, KV float16 +0.002%, KV bfloat16
-# +0.002%; the ceilings are 2% / 4% / 2% / 2%.
+# +0.002%; the ceilings are 2% / 4% / 2% / 2%. The test scores the essay's first
+# TOKENS (two windows, base 39.33): int8 +0.71%, fp8 +1.58%, KV int8 +0.17%, KV fp8
+# +0.21%, KV float16 -0.002%.
 BOUNDS = {("int8", "auto"): 0.01, ("fp8", "auto"): 0.025,
           ("none", "int8"): 0.01, ("none", "fp8"): 0.01,
           ("none", "float16"): 0.001, ("none", "bfloat16"): 0.001}
 
+TOKENS = 1024
 pytestmark = pytest.mark.slow
 
 
@@ -33,15 +36,15 @@ def demo(demo_checkpoint):
     cfg, params = load_model(demo_checkpoint, progress=False)
     tokens = AutoTokenizer.from_pretrained(str(demo_checkpoint)).encode(
         (DATA / "paged_kv_essay.txt").read_text())
-    assert len(tokens) >= 2000
-    return cfg, params, tokens
+    assert len(tokens) >= TOKENS
+    return cfg, params, tokens[:TOKENS]
 
 
 @pytest.fixture(scope="module")
 def base_perplexity(demo):
     cfg, params, tokens = demo
     ppl = perplexity(cfg, params, tokens)
-    assert 30 < ppl < 60, ppl  # 44.84 (transformers agrees); a broken forward is far off
+    assert 30 < ppl < 60, ppl  # 39.33 (44.84 over the whole essay, where transformers agrees)
     return ppl
 
 
