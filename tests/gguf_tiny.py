@@ -278,10 +278,17 @@ def transformers_reading(path: Path, config):
 
 def own_cache(tmp_path_factory):
     """A module's GGUF folders in a cache of its own (XDG_CACHE_HOME), for a fixture to
-    yield from."""
+    yield from; compiled programs and quantized weights from the usual one (linked)."""
     import pytest
+
+    from serving.core.config import default_cache_root
+    usual = default_cache_root() / "jax-cache"
+    usual.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("cache")
+    (root / "xlaserve").mkdir()
+    (root / "xlaserve" / "jax-cache").symlink_to(usual, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("XDG_CACHE_HOME", str(root))
         yield
 
 

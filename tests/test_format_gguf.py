@@ -24,7 +24,7 @@ from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 from quant.recipe import describe as describe_quantization
 from serving import LLM, SamplingParams
-from tests.gguf_tiny import LLAMA3_ROPE, permute_for_llama_cpp, write_gguf
+from tests.gguf_tiny import LLAMA3_ROPE, own_cache, permute_for_llama_cpp, write_gguf
 from tests.hf_tiny import greedy_reference, tiny_hf_model
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
@@ -49,9 +49,7 @@ PROMPTS = [[1, 17, 33, 5, 90], [1, 200, 3, 3, 3, 150, 42, 7, 9]]
 
 @pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        yield
+    yield from own_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=sorted(MIXES))

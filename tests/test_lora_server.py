@@ -44,7 +44,7 @@ def server(tmp_path_factory, demo_model_dir):
     cmd = [sys.executable, "-m", "serving", "serve", str(folder / "base"),
            "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "128",
            "--max-num-seqs", "8", "--enable-lora", "--max-loras", "2",
-           "--compilation-cache-dir", "", "--lora-modules", f"sql={folder / 'sql'}",
+           "--lora-modules", f"sql={folder / 'sql'}",
            f'{{"name": "poet", "path": "{folder / "poet"}", "base_model_name": "tiny-base"}}']
     log_path = folder / "server.log"
     with open(log_path, "wb") as log:
