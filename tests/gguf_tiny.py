@@ -2,8 +2,8 @@
 out: GGUF tensor names, a `llama` file's attn_q / attn_k rows permuted for llama.cpp's
 rotary kernel (a `deepseek2` file keeps the checkpoint's own interleaved rope rows), a
 mixture's experts stacked per block (`ffn_{gate,up,down}_exps`, the shared expert's gate a
-vector), matrices quantized by the `gguf` package's own quantizers (the types it only dequantizes
-by tests/gguf_encoders.py's).
+vector), matrices quantized by the `gguf` package's own quantizers, or by tests/gguf_encoders.py's
+for the types the package only dequantizes.
 
     path, expected = write_gguf(model, "llama", tmp / "m.gguf", {"ffn_down": Q4_0})
 

@@ -117,14 +117,11 @@ def random_blocks(kind: T, rows: int, cols: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def random_q6_k(rows: int, cols: int, seed: int) -> np.ndarray:
-    return random_blocks(T.Q6_K, rows, cols, seed)
-
 
 def test_q6_k_runs_on_8_bit_groups_of_16_exactly():
     """A kernel and an embedding table: codes q - 32, float32 scales d * sc per 16 values,
     equal to the gguf package's dequantization bit for bit."""
-    data = random_q6_k(48, 512, seed=2)
+    data = random_blocks(T.Q6_K, 48, 512, seed=2)
     want = np.asarray(dequantize(data, T.Q6_K), np.float32).reshape(48, 512)
     kernel = tensor_form(data, T.Q6_K, (512, 48))
     table = embedding(data, T.Q6_K, (512, 48))
@@ -158,7 +155,7 @@ def test_3_bit_k_and_iq4_blocks_run_on_8_bit_groups_exactly(kind, group, codes):
 
 def test_q6_k_experts_stack_on_their_codes():
     """A stack of experts (ffn_*_exps: [E, out, in] in the file) read expert by expert."""
-    data = random_q6_k(3 * 32, 256, seed=3).reshape(3, 32, -1)
+    data = random_blocks(T.Q6_K, 3 * 32, 256, seed=3).reshape(3, 32, -1)
     want = np.asarray(dequantize(data, T.Q6_K), np.float32).reshape(3, 32, 256)
     for e in range(3):
         value = tensor_form(data[e], T.Q6_K, (256, 32))
