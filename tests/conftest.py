@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests import lifetimes  # noqa: E402
+from tests import jax_cache, lifetimes  # noqa: E402
 from tests.budget import (  # noqa: E402,F401  (hooks: time and memory per module)
     pytest_addoption, pytest_runtest_logstart, pytest_sessionfinish, pytest_sessionstart,
     pytest_terminal_summary, pytest_testnodedown)
@@ -27,6 +27,16 @@ def pytest_runtest_teardown(item, nextitem):
     finally:
         if nextitem is None or lifetimes.module_of(nextitem) != lifetimes.module_of(item):
             lifetimes.release(lifetimes.module_of(item), last=nextitem is None)
+
+
+@pytest.fixture(autouse=True)
+def _jax_cache(request):
+    """Tests marked jax_cache compile through JAX's persistent cache (tests/jax_cache.py)."""
+    if request.node.get_closest_marker("jax_cache") is None:
+        yield
+    else:
+        with jax_cache.enabled():
+            yield
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ from pallas_kernels.testing import random_case
 from tests.test_kernel_lowering import TRITON_CALL, attention_args, lower_for_cuda
 from tests.test_kernels import INTERPRET, NATIVE
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 cpu_only = pytest.mark.skipif(NATIVE, reason="a CPU path; the GPU run checks the kernels")
 
 SCALE = 0.3

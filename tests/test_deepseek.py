@@ -96,6 +96,7 @@ def test_config_reads_each_variant(variant):
         assert cfg.rope_interleaved == (name != "kimi" or hf.rope_interleave)
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("kind", ["v2", "v3"])
 def test_router_matches_transformers(kind):
     """The routing function with DeepSeek's rules against transformers' router module on
@@ -130,6 +131,7 @@ def test_router_matches_transformers(kind):
     np.testing.assert_allclose(np.take_along_axis(np.asarray(w), mine, 1), want_w, rtol=1e-6)
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int8", "fp8"])
 @pytest.mark.parametrize("backend", ["reference", "blocked", "cpu", "pallas"])
 def test_absorbed_attention_equals_expanded(backend, kv_cache_dtype):

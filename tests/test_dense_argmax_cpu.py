@@ -11,6 +11,8 @@ from pallas_kernels.argmax_cpu import argmax_rows
 from pallas_kernels.dense_matmul_cpu import (argmax_available, dense_argmax, dense_matmul,
                                              pack_panels)
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def test_the_kernel_builds_here():
     assert argmax_available()

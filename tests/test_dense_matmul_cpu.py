@@ -10,6 +10,8 @@ from pallas_kernels import cpu_build, cpu_ffi
 from pallas_kernels.dense_matmul_cpu import (bf16_pairs_reference, dense_matmul,
                                              kernel_available, pack_panels, unpack_panels)
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def test_the_kernel_builds_here():
     assert cpu_ffi.available("dense_matmul") and kernel_available()

@@ -48,6 +48,7 @@ def u32(a) -> np.ndarray:
     return np.asarray(a, np.float32).view(np.uint32)
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("k,n,block", [(300, 200, (128, 128)), (64, 96, (32, 64)),
                                        (129, 5, (128, 128))])
 def test_dequantize_is_the_formats_own(k, n, block):
@@ -65,6 +66,7 @@ def test_dequantize_is_the_formats_own(k, n, block):
     np.testing.assert_array_equal(np.asarray(tree["a"]["kernel"]), want)
 
 
+@pytest.mark.jax_cache
 def test_recipe_quantizes_each_block_by_its_amax_over_448():
     """`fp8:block`: scale = amax / 448 per 128 x 128 block (to within the one float32 ulp by
     which XLA:CPU's division, not correctly rounded, can differ from the checkpoint
@@ -90,6 +92,7 @@ def test_recipe_quantizes_each_block_by_its_amax_over_448():
 SHAPES = [(1, 128, 16), (5, 300, 37), (13, 256, 211), (64, 129, 33), (7, 40, 5)]
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("t,k,n", SHAPES)
 def test_kernel_is_its_written_order_bit_for_bit(t, k, n):
     """Each k-block of 128 summed alone (FMA chain, k ascending), times its scale, the blocks
@@ -104,6 +107,7 @@ def test_kernel_is_its_written_order_bit_for_bit(t, k, n):
     np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.jax_cache
 def test_a_rows_result_does_not_depend_on_its_batch():
     """One row alone, and at the start, middle and end of 1-, 16- and 64-row batches: the
     same bits (the single kernel and the grouped one)."""
@@ -123,6 +127,7 @@ def test_a_rows_result_does_not_depend_on_its_batch():
             np.testing.assert_array_equal(grouped[row - start], alone)
 
 
+@pytest.mark.jax_cache
 def test_grouped_kernel_gives_each_expert_its_rows():
     w = block_weight(200, 150, experts=4, seed=5)
     x = jnp.asarray(np.random.default_rng(6).standard_normal((40, 200)), jnp.float32)
@@ -136,6 +141,7 @@ def test_grouped_kernel_gives_each_expert_its_rows():
     assert not got[36:].any()
 
 
+@pytest.mark.jax_cache
 @pytest.mark.skipif("avx512f" not in cpu_build.cpu_signature(), reason="needs an AVX-512 CPU to "
                     "run both builds; tests/test_kernel_build.py compiles both anywhere")
 def test_the_avx2_build_gives_the_same_bits(tmp_path):
@@ -162,6 +168,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
         np.testing.assert_array_equal(u32(fp8_block_matmul(x, panels, scale, 128)), u32(other))
 
 
+@pytest.mark.jax_cache
 def test_without_the_kernel_a_cpu_dots_the_dequantized_weights():
     """The XLA form on a CPU (a traced tree, no kernel): the weights dequantized into the dot,
     as the format computes them; the GPU form's fp8 activations stay a GPU's."""
@@ -170,6 +177,7 @@ def test_without_the_kernel_a_cpu_dots_the_dequantized_weights():
     np.testing.assert_array_equal(u32(jax.jit(ops.matmul)(x, w)), u32(x @ w.dequantize()))
 
 
+@pytest.mark.jax_cache
 def test_the_gpu_form_is_fp8_activations_per_row_and_block():
     """fp8_block_dot: activations rounded to fp8 per row and 128 inputs (amax / 448), each
     block's product times both scales, the blocks summed."""
@@ -236,6 +244,7 @@ def test_tensor_parallel_cuts_whole_blocks_or_says_why():
         sharding._cut(w, -2, 0, 150)
 
 
+@pytest.mark.jax_cache
 def test_projections_join_with_the_same_numbers():
     """q/k/v whose outputs are not in whole blocks join with scales per column."""
     parts = {p: block_weight(192, n, seed=n) for p, n in (("q_proj", 192), ("k_proj", 64),

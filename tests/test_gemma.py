@@ -49,6 +49,7 @@ def test_config_reads_each_family(family):
         assert cfg.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
 
 
+@pytest.mark.jax_cache
 def test_logits_match_transformers(family):
     name, model, folder = family
     cfg, params = load_model(folder, progress=False)
@@ -71,6 +72,7 @@ def test_greedy_tokens_match_transformers(family):
     assert ours == [greedy_reference(model, p, MAX_TOKENS) for p in PROMPTS]
 
 
+@pytest.mark.jax_cache
 def test_the_window_changes_the_answer(family):
     """The window is read: the same weights with windows wider than the prompt (the window
     layers' own RoPE kept) give other logits past the window, so the parity above cannot

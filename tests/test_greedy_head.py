@@ -28,6 +28,7 @@ def model(request, tmp_path_factory, demo_model_dir):
     return folder, cfg, prepare_params(params)
 
 
+@pytest.mark.jax_cache
 def test_the_tokens_of_the_logits_argmax_whatever_the_batch(model):
     _, cfg, params = model
     vocab = cfg.vocab_size - 5  # a tokenizer short of the embedding's rows
@@ -42,6 +43,7 @@ def test_the_tokens_of_the_logits_argmax_whatever_the_batch(model):
         np.testing.assert_array_equal(np.asarray(run(hidden[-n:])), want[-n:])
 
 
+@pytest.mark.jax_cache
 def test_heads_it_cannot_fuse_get_none(model):
     _, cfg, params = model
     from dataclasses import replace

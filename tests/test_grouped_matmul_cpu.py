@@ -12,6 +12,8 @@ from pallas_kernels import (cpu_ffi, dense_matmul_cpu, q4_matmul_cpu, q8_0_matmu
 from pallas_kernels.grouped_matmul_cpu import (grouped_matmul, grouped_matmul_reference,
                                                kernel_available, pack_experts)
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def _dense(dtype):
     def make(rng, E, K, N):

@@ -17,6 +17,8 @@ from quant.array import quantize
 from quant.moe_hlo import TRITON_CALL, compile_only_device, inspect, read
 from tests.test_kernel_lowering import lower_for_cuda
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 SDS = jax.ShapeDtypeStruct
 SIZES = [[10, 0, 20, 5], [37, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 16, 16, 0],
          [3, 0, 0, 30]]

@@ -15,6 +15,8 @@ from quant import ops, packed, packed_experts
 from quant.int8_groups import Int8GroupArray, concat_int8_groups, quantize_int8_groups
 from quant.recipe import describe
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def kernel(rng, K, N, group=16, lead=()):
     """Codes as Q6_K's (-32 .. 31) with float32 scales per `group` inputs: [*lead, K, N]."""

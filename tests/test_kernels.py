@@ -7,8 +7,12 @@ so an element it never writes fails the test in both modes.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import os
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +152,7 @@ def _matches_reference(c, kernel):
         _check(fn(*args[:8], *args[9:]), ref_fn(*args), c["dtype"], what)
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("c", CONFIGS)
 def test_kernel_matches_reference(c):
     _matches_reference(c, ragged_paged_attention)
@@ -167,6 +172,7 @@ PAGES_CONFIGS = [
 ]
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("c", PAGES_CONFIGS)
 def test_page_block_kernel_matches_reference(c):
     _matches_reference(c, ragged_paged_attention_pages)
@@ -198,6 +204,7 @@ BLOCKED_CONFIGS = CONFIGS + [
 ]
 
 
+@pytest.mark.jax_cache
 @pytest.mark.skipif(NATIVE, reason="a CPU path; the GPU run checks the kernel")
 @pytest.mark.parametrize("c", BLOCKED_CONFIGS)
 def test_blocked_matches_reference(c):
@@ -217,6 +224,7 @@ def _cpu_fn():
     return jax.jit(ragged_paged_attention_cpu, static_argnums=(8,))
 
 
+@pytest.mark.jax_cache
 @pytest.mark.skipif(NATIVE, reason="a CPU path; the GPU run checks the kernel")
 @pytest.mark.parametrize("c", BLOCKED_CONFIGS)
 def test_cpu_kernel_matches_reference(c):
@@ -229,6 +237,7 @@ def test_cpu_kernel_matches_reference(c):
         _check(fn(*args), ref_fn(*args), c["dtype"], what)
 
 
+@pytest.mark.jax_cache
 @pytest.mark.skipif(NATIVE, reason="a CPU path")
 def test_cpu_kernel_layer_traced_or_static_and_out_of_range_indices():
     """`layer` as a Python int or a traced scalar; positions past the table, request rows past
@@ -256,6 +265,7 @@ def test_cpu_kernel_layer_traced_or_static_and_out_of_range_indices():
     assert (np.asarray(out[5]) == 0).all()
 
 
+@pytest.mark.jax_cache
 @pytest.mark.skipif(NATIVE, reason="a CPU path")
 def test_cpu_kernel_token_does_not_depend_on_its_tile_with_a_sliding_window():
     """The same query tokens, tiled from another first token (as another chunking of the
@@ -281,6 +291,7 @@ def test_auto_backend_is_the_cpu_kernel_here():
     assert resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "cpu")
 
 
+@pytest.mark.jax_cache
 def test_check_catches_a_wrong_element_and_a_wrong_page():
     """Negative controls: the comparison fails on one corrupted element, and the data is such
     that reading the wrong page changes the answer."""
@@ -345,16 +356,14 @@ ENGINE_OPTIONS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=1
                       token_buckets=(16,), request_buckets=(4,), page_buckets=(4,),
                       page_size=16, kv_cache_memory=16 << 20,
                       progress=False, dtype="float32")  # on a GPU too: kernels compared, not dtypes
-# Backends whose programs the executable cache may keep: the Pallas ones compile each time,
-# since tests change their tiles (small_tiles), which no program key holds.
-CACHED_BACKENDS = ("reference", "cpu")
 
 
-def greedy_tokens(model_dir, backend, prompts, max_tokens=8, **options):
+def greedy_tokens(model_dir, backend, prompts, max_tokens=8, tiles=None, **options):
+    """tiles: the small_tiles(...) arguments the Pallas backends run with, if any."""
     from serving.core.config import EngineConfig
     from serving.engine.llm_engine import LLMEngine
     from serving.core.sampling_params import SamplingParams
-    cache = {} if backend in CACHED_BACKENDS else {"compilation_cache_dir": None}
+    cache = {} if tiles is None else {"compilation_cache_dir": str(tiles_cache(tiles))}
     engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend=backend,
                                     **{**ENGINE_OPTIONS, **cache, **options}))
     assert engine.attention_backend == backend
@@ -369,14 +378,25 @@ def greedy_tokens(model_dir, backend, prompts, max_tokens=8, **options):
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
-def small_tiles(monkeypatch, num_splits: int):
-    """16-key tiles (and optionally KV splits) so the short test contexts span several tiles."""
+def small_tiles(monkeypatch, num_splits: int) -> dict:
+    """16-key tiles (and optionally KV splits) so the short test contexts span several tiles.
+    -> the arguments, for greedy_tokens(tiles=...)."""
     from dataclasses import replace
 
     from pallas_kernels import ragged_paged_attention_kernel as rpa
     real = rpa.attention_block_sizes
     monkeypatch.setattr(rpa, "attention_block_sizes", lambda **kw: replace(
         real(**kw), block_kv=16, num_splits=num_splits))
+    return dict(num_splits=num_splits)
+
+
+def tiles_cache(tiles: dict) -> Path:
+    """A compiled-program folder of the tiling's own: no program key holds the tile sizes
+    (they follow from the code and the shape), so programs built under small_tiles are kept
+    apart from the usual ones, under a name that changes with small_tiles' source."""
+    from serving.core.config import default_cache_root
+    text = inspect.getsource(small_tiles) + json.dumps(tiles, sort_keys=True)
+    return default_cache_root() / f"test-tiles-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 @pytest.fixture(scope="module")
@@ -404,9 +424,9 @@ def mistral_reference_tokens(tiny_mistral):
 
 def test_engine_pallas_matches_reference_on_tiny_mistral(tiny_mistral, mistral_reference_tokens,
                                                          monkeypatch):
-    small_tiles(monkeypatch, num_splits=2)  # + the flash-decoding combine
+    tiles = small_tiles(monkeypatch, num_splits=2)  # + the flash-decoding combine
     got = greedy_tokens(tiny_mistral, "pallas", MISTRAL_PROMPTS, max_tokens=10,
-                        load_format="dummy")
+                        load_format="dummy", tiles=tiles)
     assert got == mistral_reference_tokens
 
 
@@ -439,7 +459,7 @@ def demo_reference_tokens(demo_checkpoint):
 def test_engine_pallas_matches_reference_on_demo_model(demo_checkpoint, demo_reference_tokens,
                                                        monkeypatch, backend):
     """Real weights (the demo model, read from its GGUF file: gguf is a core dependency)."""
-    small_tiles(monkeypatch, num_splits=1)
+    tiles = small_tiles(monkeypatch, num_splits=1)
     want = demo_reference_tokens
-    got = greedy_tokens(demo_checkpoint, backend, DEMO_PROMPTS)
+    got = greedy_tokens(demo_checkpoint, backend, DEMO_PROMPTS, tiles=tiles)
     assert got == want

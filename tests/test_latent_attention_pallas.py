@@ -23,6 +23,8 @@ from pallas_kernels.latent_attention_pallas import (latent_block_sizes_for,
 from pallas_kernels.testing import random_case
 from tests.test_kernel_lowering import DEVICE, lower_for_cuda
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 NATIVE = os.environ.get("XLASERVE_KERNELS_NATIVE") == "1"
 INTERPRET = not NATIVE
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16

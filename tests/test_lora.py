@@ -85,6 +85,7 @@ def test_batched_equals_alone(family):
         assert result.token_ids == alone[0].token_ids == refs[name][i]
 
 
+@pytest.mark.jax_cache
 def test_logits_match_peft(tmp_path):
     """The model with one adapter's slot, every token's logits against peft's, float32."""
     base = tiny_hf_model("llama", tmp_path / "base")

@@ -14,6 +14,8 @@ from model.kv_cache import KVCache
 from model.transformer import forward
 from tests.hf_tiny import FAMILIES, tiny_hf_model
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4
 # Measured max |ours - transformers| / max |transformers| is about 5e-7 in float32.

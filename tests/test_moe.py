@@ -61,6 +61,7 @@ def hf_logits(model, tokens):
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
+@pytest.mark.jax_cache
 def test_logits_match_transformers(variant):
     name, model, folder = variant
     cfg, params = load_model(folder, progress=False)
@@ -83,6 +84,7 @@ def test_greedy_tokens_match_transformers(variant):
     assert ours == [greedy_reference(model, p, MAX_TOKENS) for p in PROMPTS]
 
 
+@pytest.mark.jax_cache
 def test_config_reads_each_family(variant):
     name, model, folder = variant
     cfg = ModelConfig.from_dir(folder)
@@ -159,6 +161,7 @@ def test_forced_routing_matches_transformers(qwen2_moe, kind):
         assert sizes[2:] == [37, 0] and 0 < sizes[0] < 37 and sizes[0] + sizes[1] == 37
 
 
+@pytest.mark.jax_cache
 def test_joined_gate_up_gives_the_same_output(variant):
     """gate_up_proj [E, H, 2I], as the weights may be joined at load, computes what the
     separate gate_proj and up_proj do."""
@@ -174,6 +177,7 @@ def test_joined_gate_up_gives_the_same_output(variant):
                                atol=1e-6)
 
 
+@pytest.mark.jax_cache
 def test_routing_of_a_row_does_not_depend_on_its_batch():
     logits = jnp.asarray(np.random.default_rng(2).normal(size=(64, 60)), jnp.float32)
     weights, experts = route(logits, 4, True)
@@ -184,6 +188,7 @@ def test_routing_of_a_row_does_not_depend_on_its_batch():
     np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.jax_cache
 def test_dispatch_is_a_stable_sort_with_its_inverse():
     experts = jnp.asarray([[2, 0], [2, 1], [0, 2]], jnp.int32)
     order, inverse, sizes = dispatch(experts, 4)
@@ -235,6 +240,7 @@ def test_refused_in_a_folder_and_missing_experts_named(qwen2_moe, tmp_path):
         load_model(bad, progress=False)
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("recipe", ["int8", "int4", "fp8"])
 def test_quantized_experts_have_scales_of_their_own(tmp_path, recipe):
     """--quantize quantizes every expert as if it were a layer's weight alone (its own

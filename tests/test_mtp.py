@@ -79,6 +79,7 @@ def hf_chain(main, mtp, ids: list[int], next_token: int, k: int) -> list[int]:
     return guesses
 
 
+@pytest.mark.jax_cache
 @pytest.mark.parametrize("variant", ["v3", "glm4_moe"])
 def test_layer_logits_match_transformers(variant, folder, transformers_models, tmp_path):
     """DeepSeek-V3's next-n layer (latent attention) and GLM-4.5's (grouped-query attention
@@ -152,6 +153,7 @@ def test_refused_configurations(folder, tmp_path):
                                                 "num_speculative_tokens": 1}, **OPTIONS)
 
 
+@pytest.mark.jax_cache
 def test_the_layer_of_an_fp8_block_checkpoint_is_read_dequantized(folder, tmp_path):
     """DeepSeek-V3 ships its next-n layer in fp8 with block scales like the rest: read into
     float as the format's own dequantization gives it (the same numbers as the dequantized

@@ -16,6 +16,8 @@ from quant.packed import PackedQ4, PackedQ8
 from quant.recipe import Recipe, describe, quantize_params
 from tests.test_q8_matmul_cpu import cfg_for, logits
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def weight(rng, K, N):
     codes = rng.integers(0, 16, (K, N)).astype(np.uint8)

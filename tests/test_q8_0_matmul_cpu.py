@@ -10,6 +10,8 @@ from pallas_kernels import cpu_ffi
 from pallas_kernels.q8_0_matmul_cpu import (GROUP, PANEL, pack_panels, q8_0_matmul,
                                             q8_0_matmul_reference, unpack_panels)
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def weight(rng, K, N, dtype=np.float16, group=GROUP):
     """Codes over the whole int8 range, a scale per `group` values of k; float32 scales a

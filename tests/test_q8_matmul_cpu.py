@@ -17,6 +17,8 @@ from quant.array import QuantArray, quantize
 from quant.packed import PackedDense, PackedQ8, kernels_available, pack_head
 from quant.recipe import quantize_params
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 
 def test_the_kernel_builds_here():
     assert cpu_ffi.available("q8_matmul") and kernels_available()

@@ -19,6 +19,8 @@ from quant.array import QuantArray, dequantize, quantize
 from quant.ops import fp8_matmul, matmul, quantize_activations, take
 from quant.recipe import Recipe, abstract_quantized, describe, from_metadata, quantize_params
 
+pytestmark = pytest.mark.jax_cache  # tests/jax_cache.py
+
 FP8 = jnp.float8_e4m3fn
 
 
