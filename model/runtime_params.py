@@ -184,10 +184,11 @@ def _joinable(kernels) -> bool:
     if any(isinstance(k, Fp8BlockArray) for k in kernels):
         return (all(isinstance(k, Fp8BlockArray) for k in kernels)
                 and len({k.block[0] for k in kernels}) == 1)
-    for grouped in (Int4Array, Int8GroupArray):
-        if any(isinstance(k, grouped) for k in kernels):
-            return (all(isinstance(k, grouped) for k in kernels)
-                    and (grouped is Int4Array or len({k.group for k in kernels}) == 1))
+    if any(isinstance(k, Int4Array) for k in kernels):
+        return all(isinstance(k, Int4Array) for k in kernels)
+    if any(isinstance(k, Int8GroupArray) for k in kernels):  # one group size, mins all or none
+        return (all(isinstance(k, Int8GroupArray) for k in kernels)
+                and len({(k.group, k.offset is None) for k in kernels}) == 1)
     if all(not isinstance(k, QuantArray) for k in kernels):
         return len({k.dtype for k in kernels}) == 1
     return (all(isinstance(k, QuantArray) for k in kernels)
@@ -211,7 +212,8 @@ def _concat_quant(kernels: list[QuantArray], exact: bool) -> QuantArray:
 
 def _widened(k):
     """A group weight's scale (and offset) as float32, where float16 ones are exact."""
-    fields = {f: getattr(k, f).astype(jnp.float32) for f in ("scale", "zero") if hasattr(k, f)}
+    fields = {f: getattr(k, f).astype(jnp.float32) for f in ("scale", "zero", "offset")
+              if getattr(k, f, None) is not None}
     return dataclasses.replace(k, **fields)
 
 

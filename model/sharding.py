@@ -156,14 +156,15 @@ def _cut(leaf, axis: int, start: int, stop: int):
 
 def _cut_grouped(leaf, axis: int, start: int, stop: int):
     """A weight in groups (int4 in groups of 32, 8-bit groups of 32 or 16): along the grouped
-    axis the codes and the groups they fill, in whole groups only; along the other axis
-    every array alike."""
+    axis the codes and the groups they fill (scales and offsets), in whole groups only;
+    along the other axis every array alike."""
     fields = [f.name for f in dataclasses.fields(leaf)]
     axis = axis % leaf.ndim
     grouped_axis = leaf.ndim - 2 if leaf.scale.shape[-1] == leaf.values.shape[-1] \
         else leaf.ndim - 1
     if axis != grouped_axis:
-        return type(leaf)(*(_take(getattr(leaf, f), axis, start, stop) for f in fields))
+        return type(leaf)(*(_take_or_none(getattr(leaf, f), axis, start, stop)
+                            for f in fields))
     group = leaf.values.shape[axis] // leaf.scale.shape[axis]
     if start % group or stop % group:
         raise ValueError("The input size is not aligned with the quantized weight shape. This "
@@ -172,7 +173,13 @@ def _cut_grouped(leaf, axis: int, start: int, stop: int):
                          f"this split gives a device inputs {start} to {stop})")
     groups = (start // group, stop // group)
     return type(leaf)(_take(leaf.values, axis, start, stop),
-                      *(_take(getattr(leaf, f), axis, *groups) for f in fields[1:]))
+                      *(_take_or_none(getattr(leaf, f), axis, *groups) for f in fields[1:]))
+
+
+def _take_or_none(a, axis: int, start: int, stop: int):
+    """_take of a quantized form's array field; an absent one (an Int8GroupArray's offset
+    where it has none) stays None."""
+    return None if a is None else _take(a, axis, start, stop)
 
 
 def _cut_blocks(leaf: Fp8BlockArray, axis: int, start: int, stop: int) -> Fp8BlockArray:

@@ -11,7 +11,8 @@ Kinds, each a kernel with its operands stacked on a leading expert axis E:
   "q8":    int8 values with a scale per output channel (q8_matmul_cpu)
   "q4":    GGUF's Q4_1 codes with a scale and offset per group of 32 (q4_matmul_cpu)
   "q8_0":  GGUF's Q8_0 int8 codes with a scale per group of 32, or Q6_K's per group of 16
-           (q8_0_matmul_cpu), the group size following from the scales' shape
+           (q8_0_matmul_cpu), the group size following from the scales' shape; with an
+           offset per group too for Q5_1, Q5_K and Q2_K
   "fp8_blocks": fp8 codes with a scale per block of inputs and output column, the block
            size an attribute (fp8_block_matmul_cpu)
 """
@@ -71,7 +72,8 @@ def pack_experts(kind: str, values, *scales) -> tuple:
              -> (panels,) or (panels, scale float32[E, N])
       q8:    values int8[E, K, N], scale float[E, N] -> (panels, scale float32[E, N])
       q4:    codes uint8[E, K, N] (0..15), d, m float[E, K // 32, N] -> (codes, dp, mp)
-      q8_0:  codes int8[E, K, N], d float[E, K // g, N] (g = 32 or 16) -> (codes, dp)
+      q8_0:  codes int8[E, K, N], d (and offsets m) float[E, K // g, N] (g = 32 or 16)
+             -> (codes, dp) or (codes, dp, mp)
       fp8_blocks: codes [E, K, N], scale float[E, ceil(K / block), N] (per column)
              -> (panels, scale float32)
     """
@@ -103,7 +105,9 @@ def grouped_matmul(kind: str, x, group_sizes, *packed, block: int = 0):
                                       packed[1].reshape(-1), block=np.int64(block))
     if kind == "q8_0":
         group = q8_0_matmul_cpu.weight_group(packed[0].shape[1], packed[1].shape[-2])
-        return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, *operands,
+        mp = packed[2] if len(packed) == 3 else None
+        offsets = q8_0_matmul_cpu.flat_offsets(packed[1], mp)
+        return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, packed[0], packed[1], offsets,
                                       group=np.int64(group))
     return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, *operands)
 

@@ -8,9 +8,10 @@ embedding lookup. Each quantized form is written in the shape XLA:GPU knows how 
   other weight, fp8 included (weight-only, scales after the sum), by dense_matmul.
 - int4 in groups (quant/int4.py): packed on CPUs for q4_matmul (activations rounded to
   int16 per group of 32 there); elsewhere dequantized into the dot, weight-only.
-- int8 in groups of 32 or 16 (quant/int8_groups.py, GGUF's Q8_0 and Q6_K): packed on CPUs
-  for q8_0_matmul (the same int16 activations per group of 32) where the inputs are whole
-  groups of 32; elsewhere dequantized into the dot, weight-only.
+- int8 in groups of 32 or 16 (quant/int8_groups.py, GGUF's Q8_0 and Q6_K; with offsets
+  Q5_1, Q5_K and Q2_K): packed on CPUs for q8_0_matmul (the same int16 activations per group
+  of 32) where the inputs are whole groups of 32; elsewhere dequantized into the dot,
+  weight-only.
 - fp8 with block scales (quant/fp8_blocks.py, DeepSeek-V3's 128 x 128): packed on CPUs for
   fp8_block_matmul (weight-only, each input block summed alone, then times its scale);
   elsewhere, up to 64 rows, fp8 activations per row and input block against the fp8 codes

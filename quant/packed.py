@@ -6,7 +6,7 @@ float32 / bfloat16 / float16 weight, or the 8-bit codes and scales of any other 
 
 PackedQ4, an int4 weight (quant/int4.py) for pallas_kernels/q4_matmul_cpu.py, PackedQ80,
 an 8-bit group weight (quant/int8_groups.py: GGUF's Q8_0 in groups of 32, its Q6_K in groups
-of 16) for pallas_kernels/q8_0_matmul_cpu.py,
+of 16, with offsets Q5_1, Q5_K and Q2_K) for pallas_kernels/q8_0_matmul_cpu.py,
 and PackedFp8Blocks, fp8 codes with block scales (quant/fp8_blocks.py, DeepSeek-V3's) for
 pallas_kernels/fp8_block_matmul_cpu.py.
 
@@ -163,6 +163,7 @@ def q4_matmul(x, w: PackedQ4):
 class PackedQ80:
     codes: jax.Array  # int8[in, out], in the kernel's byte order (see q8_0_matmul_cpu)
     scale: jax.Array  # float16 | float32 [out // 16, in // g, 16], g = 32 or 16
+    offset: jax.Array | None = None  # as scale, or None: W = scale * code + offset
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -180,7 +181,7 @@ def int8_groups_packable(w) -> bool:
 
 
 def pack_int8_groups(w: Int8GroupArray) -> PackedQ80:
-    return PackedQ80(*q8_0_matmul_cpu.pack_panels(w.values, w.scale))
+    return PackedQ80(*q8_0_matmul_cpu.pack_panels(w.values, w.scale, w.offset))
 
 
 def pack_int8_groups_head(table) -> PackedQ80 | None:
@@ -193,7 +194,7 @@ def pack_int8_groups_head(table) -> PackedQ80 | None:
 
 def q8_0_matmul(x, w: PackedQ80):
     """x: [..., in] @ w -> [..., out] in x's dtype."""
-    return q8_0_matmul_cpu.q8_0_matmul(x, w.codes, w.scale)
+    return q8_0_matmul_cpu.q8_0_matmul(x, w.codes, w.scale, w.offset)
 
 
 @jax.tree_util.register_dataclass

@@ -6,7 +6,8 @@ packs a layer's weight (quant/packed.py):
   "dense" (weight-only, rows independent of their batch);
 - int8 per output channel in the q8 kernel's shapes: "q8", as a dense layer's int8 weight;
 - int4 in groups (GGUF's Q4_1 form, quant/int4.py): "q4";
-- int8 in groups (GGUF's Q8_0 form, or Q6_K's in groups of 16, quant/int8_groups.py): "q8_0";
+- int8 in groups (GGUF's Q8_0 form, or Q6_K's in groups of 16, with offsets Q5_1, Q5_K and
+  Q2_K's, quant/int8_groups.py): "q8_0";
 - fp8 with block scales (DeepSeek-V3's form, quant/fp8_blocks.py): "fp8_blocks", the codes
   never widened.
 
@@ -77,7 +78,7 @@ def pack(w) -> PackedExperts:
     if kind == "q4":
         operands = (w.values, w.scale, w.zero)
     elif kind == "q8_0":
-        operands = (w.values, w.scale)
+        operands = (w.values, w.scale) + (() if w.offset is None else (w.offset,))
     elif isinstance(w, QuantArray):  # q8 or dense codes: one scale per expert and channel
         operands = (w.values, jnp.broadcast_to(w.scale.astype(jnp.float32),
                                                (shape[0], 1, shape[2])).reshape(shape[0], -1))

@@ -211,7 +211,8 @@ def describe(params) -> str:
         if isinstance(a, Fp8BlockArray):
             return a.describe()
         if isinstance(a, Int8GroupArray):
-            return f"{a.scheme} per group of {a.group}"
+            mins = "" if a.offset is None else " with mins"
+            return f"{a.scheme} per group of {a.group}{mins}"
         if isinstance(a, Int4Array):
             return f"{a.scheme} per group of 32"
         return f"{a.scheme} per " + ("tensor" if a.per_tensor else "channel")

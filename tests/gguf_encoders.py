@@ -73,6 +73,54 @@ def quantize_q3_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(*lead, cols // 256 * 110)
 
 
+def _with_mins(b: np.ndarray, top: int, sub_top: int):
+    """Sub-blocks b [rows, blocks, subs, size] as W = (d * sc) * q - dmin * mn, the
+    sub-block's minimum (or 0) on code 0 and its maximum on code `top`, sc and mn in
+    0 .. sub_top -> (d, dmin float16 [rows, blocks], sc, mn uint8 [.., subs], q uint8)."""
+    low = np.minimum(b.min(-1), 0)
+    step, floor = (b.max(-1) - low) / top, -low
+    d = (step.max(-1) / sub_top).astype(np.float16)
+    dmin = (floor.max(-1) / sub_top).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(_divide(step, d32)), 0, sub_top).astype(np.uint8)
+    mn = np.clip(np.round(_divide(floor, dmin32)), 0, sub_top).astype(np.uint8)
+    q = _divide(b + (dmin32 * mn)[..., None], (d32 * sc)[..., None])
+    return d, dmin, sc, mn, np.clip(np.round(q), 0, top).astype(np.uint8)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """Q5_K: float16 d and dmin, 6-bit scales and mins packed as Q4_K's, qh, nibbles (176
+    bytes per 256), codes 0 .. 31 per sub-block of 32."""
+    *lead, cols = w.shape
+    b = _blocks(w, 256, 32)
+    d, dmin, sc, mn, q = _with_mins(b, 31, 63)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+                             mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], axis=-1)
+    q = q.reshape(*b.shape[:2], 8, 32)  # value 32i + j
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=-2)
+    low = (q & 0x0F).reshape(*b.shape[:2], 4, 2, 32)  # chunks of 64: low, high nibbles
+    qs = low[..., 0, :] | (low[..., 1, :] << 4)
+    blocks = np.concatenate([d.view(np.uint8).reshape(*b.shape[:2], 2),
+                             dmin.view(np.uint8).reshape(*b.shape[:2], 2), packed, qh,
+                             qs.reshape(*b.shape[:2], 128)], axis=-1)
+    return blocks.reshape(*lead, cols // 256 * 176)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """Q2_K: 4-bit scales and mins (sc low nibble, mn high), 2-bit codes, float16 d and dmin
+    (84 bytes per 256), codes 0 .. 3 per sub-block of 16."""
+    *lead, cols = w.shape
+    b = _blocks(w, 256, 16)
+    d, dmin, sc, mn, q = _with_mins(b, 3, 15)
+    q = q.reshape(*b.shape[:2], 2, 4, 32)  # [half, shift, byte]
+    qs = q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)
+    blocks = np.concatenate([sc | (mn << 4), qs.reshape(*b.shape[:2], 64),
+                             d.view(np.uint8).reshape(*b.shape[:2], 2),
+                             dmin.view(np.uint8).reshape(*b.shape[:2], 2)], axis=-1)
+    return blocks.reshape(*lead, cols // 256 * 84)
+
+
 def _levels(x: np.ndarray) -> np.ndarray:
     """Values in units of the scale -> the index of the nearest IQ4 level."""
     return np.abs(x[..., None] - IQ4_LEVELS.astype(np.float32)).argmin(-1).astype(np.uint8)
@@ -113,5 +161,5 @@ def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(*lead, cols // 256 * 136)
 
 
-ENCODERS = {T.Q6_K: quantize_q6_k, T.Q3_K: quantize_q3_k, T.IQ4_NL: quantize_iq4_nl,
-            T.IQ4_XS: quantize_iq4_xs}
+ENCODERS = {T.Q6_K: quantize_q6_k, T.Q3_K: quantize_q3_k, T.Q5_K: quantize_q5_k,
+            T.Q2_K: quantize_q2_k, T.IQ4_NL: quantize_iq4_nl, T.IQ4_XS: quantize_iq4_xs}

@@ -1,6 +1,7 @@
 """GGUF files served as they are (model/formats/gguf_file.py, gguf_tensors.py): each block type
 read exactly as llama.cpp reads it, onto the int4 and 8-bit group kernels where it maps (Q6_K
-and Q3_K in 8-bit groups of 16, IQ4_NL and IQ4_XS's levels in groups of 32), tiny models of each
+and Q3_K in 8-bit groups of 16, IQ4_NL and IQ4_XS's levels in groups of 32; Q5_1, Q5_K and
+Q2_K with an offset per group), tiny models of each
 family token for token against transformers on the same (dequantized) weights, the demo's
 own file, and clear errors for damaged files."""
 from __future__ import annotations
@@ -32,13 +33,15 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_
 OPTIONS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, page_size=4,
                token_buckets=(4, 16), request_buckets=(4,), page_buckets=(16,), progress=False)
 # Each family with a mix of block types: the int4 kernel's (Q4_0, Q4_1), the 8-bit group
-# kernel's (Q8_0, Q5_0 in groups of 32, Q6_K in groups of 16), dequantized ones (Q5_1, F16)
-# and float32. llama's attn_v and ffn_down differ between layers and its head is Q6_K, as a
-# Q4_K_M file's are (its sizes are multiples of Q6_K's 256).
+# kernel's (Q8_0, Q5_0 in groups of 32, Q6_K in groups of 16; with mins Q5_1 and Q5_K in
+# groups of 32, Q2_K in groups of 16), F16, one no kernel takes (TQ2_0, dequantized at load)
+# and float32. llama's attn_k, attn_v, ffn_down and ffn_up differ between layers and its head
+# is Q6_K, as a Q4_K_M file's are (its sizes are multiples of the K-quants' 256).
 MIXES = {"llama": {"attn_q": T.Q4_0, "blk.1.attn_q": T.IQ4_XS, "attn_k": T.Q4_1,
-                   "attn_v": T.Q8_0, "blk.1.attn_v": T.Q6_K, "ffn_down": T.Q4_0,
-                   "blk.0.ffn_down": T.Q6_K, "blk.1.ffn_down": T.Q5_1, "ffn_gate": T.Q4_1,
-                   "blk.1.ffn_gate": T.Q3_K, "ffn_up": T.F16, "output": T.Q6_K,
+                   "blk.1.attn_k": T.Q2_K, "attn_v": T.Q8_0, "blk.1.attn_v": T.Q6_K,
+                   "ffn_down": T.Q4_0, "blk.0.ffn_down": T.Q6_K, "blk.1.ffn_down": T.Q5_1,
+                   "ffn_gate": T.Q4_1, "blk.1.ffn_gate": T.Q3_K, "ffn_up": T.F16,
+                   "blk.0.ffn_up": T.TQ2_0, "blk.1.ffn_up": T.Q5_K, "output": T.Q6_K,
                    "token_embd": T.Q8_0},
          "qwen2": {"attn_q": T.Q4_1, "attn_output": T.Q4_0, "ffn_up": T.Q4_0,
                    "token_embd": T.Q4_1},
@@ -78,11 +81,12 @@ def test_block_types_read_as_the_format_dequantizes_them(kind):
     want = np.asarray(dequantize(data, kind), np.float32).reshape(48, 256).T
     np.testing.assert_array_equal(dequantize_np(value), want)
     assert isinstance(value, Int4Array) == (kind in (T.Q4_0, T.Q4_1))
-    assert isinstance(value, Int8GroupArray) == (kind in (T.Q8_0, T.Q5_0))
+    assert isinstance(value, Int8GroupArray) == (kind in (T.Q8_0, T.Q5_0, T.Q5_1))
     if isinstance(value, Int4Array):
         assert value.scale.dtype == np.float16 and value.values.max() <= 15
     if isinstance(value, Int8GroupArray):  # a kernel [in, out], a float16 scale per 32 inputs
         assert value.scale.shape == (256 // 32, 48) and value.scale.dtype == np.float16
+        assert (value.offset is not None) == (kind == T.Q5_1)  # and Q5_1's float16 min
 
 
 def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -102,18 +106,19 @@ def test_q4_k_runs_on_the_int4_form_exactly():
     np.testing.assert_array_equal(dequantize_np(value), want)
 
 
-# block type -> (values, bytes, where its float16 d is) of each block
-BLOCKS = {T.Q6_K: (256, 210, 208), T.Q3_K: (256, 110, 108), T.IQ4_NL: (32, 18, 0),
-          T.IQ4_XS: (256, 136, 0)}
+# block type -> (values, bytes, where its float16 d is, float16s there: d, or d and dmin)
+BLOCKS = {T.Q6_K: (256, 210, 208, 1), T.Q3_K: (256, 110, 108, 1), T.IQ4_NL: (32, 18, 0, 1),
+          T.IQ4_XS: (256, 136, 0, 1), T.Q5_K: (256, 176, 0, 2), T.Q2_K: (256, 84, 80, 2)}
 
 
 def random_blocks(kind: T, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Blocks of random bytes (every code, scale and high bit) and a small float16 d."""
-    values, size, at = BLOCKS[kind]
+    """Blocks of random bytes (every code, scale, min and high bit) and a small float16 d
+    (and dmin)."""
+    values, size, at, halves = BLOCKS[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-    d = (rng.random((rows, cols // values, 1)) * 0.01).astype(np.float16)
-    raw[..., at:at + 2] = d.view(np.uint8)
+    d = (rng.random((rows, cols // values, halves)) * 0.01).astype(np.float16)
+    raw[..., at:at + 2 * halves] = d.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -136,21 +141,32 @@ def test_q6_k_runs_on_8_bit_groups_of_16_exactly():
 
 @pytest.mark.parametrize("kind,group,codes", [(T.Q3_K, 16, (-4, 3)),
                                               (T.IQ4_NL, 32, (-127, 113)),
-                                              (T.IQ4_XS, 32, (-127, 113))])
-def test_3_bit_k_and_iq4_blocks_run_on_8_bit_groups_exactly(kind, group, codes):
+                                              (T.IQ4_XS, 32, (-127, 113)),
+                                              (T.Q5_K, 32, (0, 31)), (T.Q2_K, 16, (0, 3)),
+                                              (T.Q5_1, 32, (0, 31))])
+def test_k_iq4_and_min_blocks_run_on_8_bit_groups_exactly(kind, group, codes):
     """Q3_K's codes -4 .. 3 with float32 scales d * (sc - 32) per 16; IQ4's non-linear
-    levels as codes, with the block's d (IQ4_NL) or float32 d * (ls - 32) per 32 (IQ4_XS):
-    a kernel and a table equal to the gguf package's dequantization bit for bit."""
-    data = random_blocks(kind, 48, 512, seed=int(kind))
+    levels as codes, with the block's d (IQ4_NL) or float32 d * (ls - 32) per 32 (IQ4_XS);
+    with mins as offsets, Q5_K's and Q2_K's codes with float32 scales d * sc and offsets
+    -(dmin * mn) per 32 or 16, Q5_1's with the block's float16 d and m: a kernel and a table
+    equal to the gguf package's dequantization bit for bit, in numpy and in jnp."""
+    if kind == T.Q5_1:  # the package writes it
+        data = quantize(np.random.default_rng(5).standard_normal((48, 512), np.float32), kind)
+    else:
+        data = random_blocks(kind, 48, 512, seed=int(kind))
     want = np.asarray(dequantize(data, kind), np.float32).reshape(48, 512)
     kernel = tensor_form(data, kind, (512, 48))
     table = embedding(data, kind, (512, 48))
+    mins = kind in (T.Q5_K, T.Q2_K, T.Q5_1)
     for value, dense in ((kernel, want.T), (table, want)):
         assert isinstance(value, Int8GroupArray) and value.group == group
         assert (value.values.min(), value.values.max()) == codes
+        assert (value.offset is not None) == mins
         np.testing.assert_array_equal(dequantize_np(value), dense)
         np.testing.assert_array_equal(np.asarray(value.dequantize()), dense)
-    assert kernel.scale.dtype == (np.float16 if kind == T.IQ4_NL else np.float32)
+    float16 = kind in (T.IQ4_NL, T.Q5_1)
+    assert kernel.scale.dtype == (np.float16 if float16 else np.float32)
+    assert not mins or kernel.offset.dtype == kernel.scale.dtype
 
 
 def test_q6_k_experts_stack_on_their_codes():
@@ -192,23 +208,35 @@ def test_weights_equal_the_files_dequantization(tiny_gguf, caplog):
     if mix.get("attn_v") in (T.Q8_0, T.Q5_0):  # the 8-bit group kernel's
         assert isinstance(_leaf(params, ("layers", "attn", "v_proj", "kernel"), 0),
                           Int8GroupArray)
-    if per_layer:  # layer 1's ffn_down is Q5_1, which no kernel takes
-        assert isinstance(_leaf(params, ("layers", "mlp", "down_proj", "kernel"), 1),
-                          jax.Array)
+    if per_layer:
         # Q6_K in groups of 16: layer 0's ffn_down, layer 1's attn_v (beside layer 0's Q8_0
-        # in groups of 32) and the head
-        # with layer 1's Q3_K ffn_gate (16) and IQ4_XS attn_q (32)
-        for path, layer, group in ((("mlp", "down_proj"), 0, 16), (("attn", "v_proj"), 1, 16),
-                                   (("attn", "v_proj"), 0, 32), (("mlp", "gate_proj"), 1, 16),
-                                   (("attn", "q_proj"), 1, 32)):
+        # in groups of 32) and the head; with layer 1's Q3_K ffn_gate (16) and IQ4_XS attn_q
+        # (32); with mins, layer 1's Q5_1 ffn_down and Q5_K ffn_up (32) and Q2_K attn_k (16)
+        for path, layer, group, mins in (
+                (("mlp", "down_proj"), 0, 16, False), (("attn", "v_proj"), 1, 16, False),
+                (("attn", "v_proj"), 0, 32, False), (("mlp", "gate_proj"), 1, 16, False),
+                (("attn", "q_proj"), 1, 32, False), (("mlp", "down_proj"), 1, 32, True),
+                (("mlp", "up_proj"), 1, 32, True), (("attn", "k_proj"), 1, 16, True)):
             kernel = _leaf(params, ("layers", *path, "kernel"), layer)
             assert isinstance(kernel, Int8GroupArray) and kernel.group == group, (path, layer)
+            assert (kernel.offset is not None) == mins, (path, layer)
         head = params["lm_head"]["kernel"]
         assert isinstance(head, Int8GroupArray) and head.group == 16
         assert "int8 per group of 16" in describe_quantization(params)
         assert "Q6_K -> int8 per group of 16 (float32 scales) on q8_0_matmul" in caplog.text
         assert "Q3_K -> int8 per group of 16 (float32 scales) on q8_0_matmul" in caplog.text
         assert "IQ4_XS -> int8 per group of 32 (float32 scales) on q8_0_matmul" in caplog.text
+        for name in ("Q5_1 -> int8 per group of 32 with mins (float16 scales)",
+                     "Q5_K -> int8 per group of 32 with mins (float32 scales)",
+                     "Q2_K -> int8 per group of 16 with mins (float32 scales)"):
+            assert f"{name} on q8_0_matmul" in caplog.text
+        # layer 0's TQ2_0 ffn_up, which no kernel takes, is float in the model's dtype and
+        # the log says it was dequantized at load (layer 2's F16 one is float as stored)
+        up = _leaf(params, ("layers", "mlp", "up_proj", "kernel"), 0)
+        assert isinstance(up, jax.Array) and up.dtype == np.float32
+        assert ("up_proj: F16 -> float32 on dense_matmul, Q5_K -> int8 per group of 32 with "
+                "mins (float32 scales) on q8_0_matmul, TQ2_0 -> float32 on dense_matmul "
+                "(dequantized at load)\n") in caplog.text
     if family == "qwen3":  # IQ4_NL's levels on the 8-bit group kernel
         up = _leaf(params, ("layers", "mlp", "up_proj", "kernel"), 0)
         assert isinstance(up, Int8GroupArray) and up.group == 32

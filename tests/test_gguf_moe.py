@@ -23,8 +23,9 @@ from tests.hf_tiny import greedy_reference
 SIZES = {"qwen2_moe": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64,
                            mlp_only_layers=[]),
          "qwen3_moe": dict(moe_intermediate_size=64, head_dim=16)}
-# experts on the int4 and 8-bit group kernels' codes, the rest of each file float
-QUANT = {"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q4_1, "ffn_down_exps": T.Q8_0,
+# experts on the int4 and 8-bit group kernels' codes (Q5_1's with their mins as offsets), the
+# rest of each file float
+QUANT = {"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q4_1, "ffn_down_exps": T.Q5_1,
          "ffn_gate_shexp": T.Q4_0, "ffn_down_shexp": T.Q8_0, "attn_q": T.Q4_0,
          "attn_output": T.Q4_1, "token_embd": T.Q8_0}
 # float32 KV (a GGUF's default is float16, llama.cpp's): the tokens are compared with
@@ -69,6 +70,8 @@ def test_experts_stay_on_their_codes(tiny_file):
         kernel = moe[name]["kernel"]
         assert isinstance(kernel, form) == (mix == "quant"), name
         assert getattr(kernel, "values", kernel).shape[-3] == 4  # [(layers,) E, in, out]
+    if mix == "quant":  # Q5_1's mins
+        assert moe["down_proj"]["kernel"].offset is not None
     if family == "qwen2_moe":  # a shared expert with a one-output gate
         assert cfg.shared_expert_intermediate_size == 64
         assert moe["shared_expert_gate"]["kernel"].shape[-2:] == (64, 1)  # a vector in the file

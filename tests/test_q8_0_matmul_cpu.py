@@ -192,4 +192,7 @@ def test_groups_of_16_panels_and_refusals():
     x = rng.standard_normal((2, 64)).astype(np.float32)
     with pytest.raises(Exception, match="group 16 or 32"):  # the scales' count disagrees
         np.asarray(cpu_ffi.matmul("q8_0_matmul", x, 32, packed, dp.reshape(-1),
-                                  group=np.int64(32)))
+                                  jnp.zeros((0,), dp.dtype), group=np.int64(32)))
+    with pytest.raises(Exception, match="m none or as d"):  # offsets of another count
+        np.asarray(cpu_ffi.matmul("q8_0_matmul", x, 32, packed, dp.reshape(-1),
+                                  dp.reshape(-1)[:8], group=np.int64(16)))

@@ -60,7 +60,7 @@ def models(tmp_path_factory):
     made["lora-int4"] = root / "lora-int4"
     make_adapter(model, "sql", made["lora-int4"], seed=2, size=0.5)
     # its GGUF: 4- and 8-bit groups, a Q8_0 table and head, one layer's ffn_down in a form
-    # of its own (Q5_1, dequantized at load)
+    # of its own (Q5_1: 8-bit groups of 32 with offsets, cut like their scales)
     made["llama-gguf"], _ = write_gguf(model, "llama", root / "llama.gguf", {
         "attn_q": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_down": Q.Q4_0,
         "blk.1.ffn_down": Q.Q5_1, "token_embd": Q.Q8_0, "output": Q.Q8_0})

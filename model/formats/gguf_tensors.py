@@ -27,13 +27,28 @@ blocks along the inputs. The blocks we map exactly:
   6-bit scale ls per 32): W = (d * (ls - 32)) * level, float32 scales (11 + 6 + 7 bits: exact
   in float32's 24).
 
-Every other type (Q5_1, Q5_K, Q2_K, other IQ*) is dequantized at load into float32 by the
-`gguf` package, exactly as llama.cpp reads it; the start-up log names the forms.
+With a min per group, an Int8GroupArray with offsets (W = scale * code + offset; the product
+is exact in float32, so the sum is the format's own, bit for bit):
+
+- Q5_1 (32 values: float16 d and m, 32 high bits, nibbles): W = d * q + m, codes q (0 .. 31)
+  with float16 scales d and offsets m; a table too.
+- Q5_K (super-blocks of 256: float16 d and dmin, Q4_K's eight 6-bit scales and mins, 32
+  bytes of high bits, nibbles): W = (d * sc) * q - dmin * mn per sub-block of 32, codes
+  0 .. 31 with float32 scales d * sc and offsets -(dmin * mn) (11 + 6 bits each).
+- Q2_K (super-blocks of 256: 16 bytes of 4-bit scales sc and mins mn, 2-bit codes, float16
+  d and dmin): W = (d * sc) * q - dmin * mn per sub-block of 16, codes 0 .. 3 in groups of
+  16 with float32 scales and offsets.
+
+Every other type (the IQ types below 4 bits, TQ1_0, TQ2_0) is dequantized at load into
+float32 by the `gguf` package, exactly as llama.cpp reads it; the start-up log names the
+forms.
 Nibble order in a 32-value block: value j < 16 in the low nibble of byte j, value j + 16 in
 its high nibble. Q4_K's 64-value chunks hold sub-block 2c in the low nibbles and 2c + 1 in
 the high ones. A Q6_K super-block is two halves of 128 values: half h's 64 bytes of ql hold
 values 128h + b in their low nibbles and 128h + 64 + b in their high ones, its 32 bytes of
-qh the two high bits of value 128h + 32i + j in bits 2i, 2i + 1 of byte j.
+qh the two high bits of value 128h + 32i + j in bits 2i, 2i + 1 of byte j. Q5_K's nibbles
+are Q4_K's, bit i of its qh byte j the fifth bit of value 32i + j. Q2_K's 64 bytes of codes
+are two halves of 32: bits 2s, 2s + 1 of byte j in half c hold value 128c + 32s + j.
 """
 from __future__ import annotations
 
@@ -46,8 +61,8 @@ from quant.int4 import Int4Array
 from quant.int8_groups import Int8GroupArray
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K, T.Q3_K, T.IQ4_NL,
-                T.IQ4_XS)  # on int4 and 8-bit groups
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K,
+                T.Q2_K, T.IQ4_NL, T.IQ4_XS)  # on int4 and 8-bit groups
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -83,17 +98,26 @@ def _k_scales(packed: np.ndarray):
     return sc, mn
 
 
+def _k_mins(blocks: np.ndarray, sc: np.ndarray, mn: np.ndarray, at: int, rows: int):
+    """A K-quant super-block's float16 d and dmin (bytes at, at + 2) with its sub-blocks'
+    scales and mins -> float32 (scale d * sc, offset -(dmin * mn)) [rows, sub-blocks]."""
+    d = _f16(blocks[..., at:at + 2]).astype(np.float32)
+    dmin = _f16(blocks[..., at + 2:at + 4]).astype(np.float32)
+    return ((d[..., None] * sc).reshape(rows, -1),
+            -(dmin[..., None] * mn).reshape(rows, -1))
+
+
+def _q4_k_low(qs: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Q4_K / Q5_K's 128 bytes of nibbles per super-block -> codes [rows, cols] (0 .. 15)."""
+    qs = qs.reshape(rows, cols // 256, 4, 32)  # four chunks of 64 values
+    return np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+
+
 def _q4_k(data: np.ndarray, rows: int, cols: int):
     """Q4_K rows -> (codes [rows, cols], scale, offset float32 [rows, cols/32])."""
     blocks = data.reshape(rows, cols // 256, 144)
-    d = _f16(blocks[..., 0:2]).astype(np.float32)
-    dmin = _f16(blocks[..., 2:4]).astype(np.float32)
-    sc, mn = _k_scales(blocks[..., 4:16])
-    qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)  # four chunks of 64 values
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
-    scale = (d[..., None] * sc).reshape(rows, cols // 32)
-    offset = -(dmin[..., None] * mn).reshape(rows, cols // 32)
-    return codes, scale, offset
+    scale, offset = _k_mins(blocks, *_k_scales(blocks[..., 4:16]), 0, rows)
+    return _q4_k_low(blocks[..., 16:], rows, cols), scale, offset
 
 
 def _q8_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
@@ -103,14 +127,50 @@ def _q8_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
     return Int8GroupArray(codes, _f16(blocks[..., 0:2]))
 
 
-def _q5_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
-    """Q5_0 rows -> Int8GroupArray [rows, cols] of codes q - 16: bit j of the block's 32-bit
-    qh is value j's fifth bit."""
-    blocks = data.reshape(rows, cols // 32, 22)
-    high = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+def _q5_codes(blocks: np.ndarray, at: int) -> np.ndarray:
+    """A Q5_0 / Q5_1 block's codes q (0 .. 31) -> [..., 32] int16: bit j of the 32-bit qh at
+    byte `at` is value j's fifth bit, the nibbles follow it."""
+    high = np.ascontiguousarray(blocks[..., at:at + 4]).view("<u4")[..., 0]
     bits = ((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    codes = (_nibbles32(blocks[..., 6:]) | (bits << 4)).astype(np.int16) - 16
+    return (_nibbles32(blocks[..., at + 4:]) | (bits << 4)).astype(np.int16)
+
+
+def _q5_0(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q5_0 rows -> Int8GroupArray [rows, cols] of codes q - 16."""
+    blocks = data.reshape(rows, cols // 32, 22)
+    codes = _q5_codes(blocks, 2) - 16
     return Int8GroupArray(codes.astype(np.int8).reshape(rows, cols), _f16(blocks[..., 0:2]))
+
+
+def _q5_1(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q5_1 rows -> Int8GroupArray [rows, cols] of codes q with float16 scales d and offsets
+    m (24-byte blocks: d, m, qh, nibbles)."""
+    blocks = data.reshape(rows, cols // 32, 24)
+    codes = _q5_codes(blocks, 4).astype(np.int8).reshape(rows, cols)
+    return Int8GroupArray(codes, _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]))
+
+
+def _q5_k(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q5_K rows -> Int8GroupArray [rows, cols] in groups of 32, codes 0 .. 31, float32
+    scales d * sc and offsets -(dmin * mn) (176-byte super-blocks: d, dmin, 12 bytes of
+    scales and mins, qh, nibbles)."""
+    blocks = data.reshape(rows, cols // 256, 176)
+    scale, offset = _k_mins(blocks, *_k_scales(blocks[..., 4:16]), 0, rows)
+    high = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    codes = _q4_k_low(blocks[..., 48:], rows, cols) | (high.reshape(rows, cols) << 4)
+    return Int8GroupArray(codes.astype(np.int8), scale, offset)
+
+
+def _q2_k(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
+    """Q2_K rows -> Int8GroupArray [rows, cols] in groups of 16, codes 0 .. 3, float32
+    scales d * sc and offsets -(dmin * mn) (84-byte super-blocks: 16 bytes of scales, sc
+    in the low nibbles and mn in the high ones, 64 bytes of codes, d, dmin)."""
+    blocks = data.reshape(rows, cols // 256, 84)
+    sc, mn = blocks[..., :16] & 0x0F, blocks[..., :16] >> 4
+    scale, offset = _k_mins(blocks, sc, mn, 80, rows)
+    qs = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32)  # [.., half, shift, byte]
+    codes = (qs >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    return Int8GroupArray(codes.astype(np.int8).reshape(rows, cols), scale, offset)
 
 
 def _q6_k(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
@@ -175,8 +235,8 @@ def _iq4_xs(data: np.ndarray, rows: int, cols: int) -> Int8GroupArray:
 
 
 # read onto Int8GroupArray
-GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q6_K: _q6_k, T.Q3_K: _q3_k,
-                T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
+GROUP8_TYPES = {T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+                T.Q3_K: _q3_k, T.Q2_K: _q2_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
 
 
 def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
@@ -201,9 +261,9 @@ def tensor_form(data: np.ndarray, kind: T, shape: tuple[int, ...]):
 
 
 def embedding(data: np.ndarray, kind: T, shape: tuple[int, ...]):
-    """token_embd as our table [vocab, hidden]: the 8-bit group types (Q8_0, Q5_0, Q6_K,
-    Q3_K, IQ4_NL, IQ4_XS) on their codes (an Int8GroupArray), every other type read exactly
-    into float32."""
+    """token_embd as our table [vocab, hidden]: the 8-bit group types (Q8_0, Q5_0, Q5_1,
+    Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) on their codes (an Int8GroupArray), every other
+    type read exactly into float32."""
     if kind in GROUP8_TYPES:
         return GROUP8_TYPES[kind](data, shape[1], shape[0])
     return np.asarray(dequantize(data, kind), np.float32).reshape(tuple(reversed(shape)))
@@ -215,7 +275,8 @@ def permute_rows(value, perm: np.ndarray):
     if isinstance(value, Int4Array):
         return Int4Array(value.values[:, perm], value.scale[:, perm], value.zero[:, perm])
     if isinstance(value, Int8GroupArray):
-        return Int8GroupArray(value.values[:, perm], value.scale[:, perm])
+        return Int8GroupArray(*(None if a is None else a[:, perm]
+                                for a in (value.values, value.scale, value.offset)))
     return value[..., perm]
 
 

@@ -29,13 +29,15 @@ Path = tuple[str, ...]
 
 def form(value) -> str:
     """A value's form, for the log: 'float32', 'int8 per channel', 'int4 (float16 scales)',
-    'fp8 with 128x128 block scales'."""
+    'int8 per group of 32 with mins (float32 scales)', 'fp8 with 128x128 block scales'."""
     if isinstance(value, Fp8BlockArray):
         return value.describe()
     if isinstance(value, Int4Array):
         return f"int4 ({np.dtype(value.scale.dtype).name} scales)"
     if isinstance(value, Int8GroupArray):
-        return f"int8 per group of {value.group} ({np.dtype(value.scale.dtype).name} scales)"
+        mins = "" if value.offset is None else " with mins"
+        return (f"int8 per group of {value.group}{mins} "
+                f"({np.dtype(value.scale.dtype).name} scales)")
     if isinstance(value, QuantArray):
         scheme = "int8" if np.dtype(value.values.dtype) == np.int8 else "fp8"
         return f"{scheme} per {'tensor' if value.scale.shape[-2:] == (1, 1) else 'channel'}"
@@ -68,7 +70,8 @@ def _array_fields(value) -> list[str]:
 
 
 def _parts(value) -> list:
-    """A value's arrays: a quantized form's array fields in order, or the array itself."""
+    """A value's arrays: a quantized form's array fields in order (None for an absent one,
+    an Int8GroupArray's offset where it has none), or the array itself."""
     if isinstance(value, QUANTIZED):
         return [getattr(value, f) for f in _array_fields(value)]
     return [value]
@@ -76,7 +79,7 @@ def _parts(value) -> list:
 
 def _signature(value):
     return (type(value).__name__, getattr(value, "block", None)) + tuple(
-        (a.shape, np.dtype(a.dtype).name) for a in _parts(value))
+        None if a is None else (a.shape, np.dtype(a.dtype).name) for a in _parts(value))
 
 
 def dequantize_np(value) -> np.ndarray:
@@ -89,8 +92,10 @@ def dequantize_np(value) -> np.ndarray:
              + value.zero.astype(np.float32)[..., None, :])
         return w.reshape(*lead, k, n)
     if isinstance(value, Int8GroupArray):
-        return value.values.astype(np.float32) * np.repeat(
-            value.scale.astype(np.float32), value.group, axis=value.group_axis)
+        def expand(a):
+            return np.repeat(a.astype(np.float32), value.group, axis=value.group_axis)
+        w = value.values.astype(np.float32) * expand(value.scale)
+        return w if value.offset is None else w + expand(value.offset)
     if isinstance(value, QuantArray):
         return value.values.astype(np.float32) * value.scale.astype(np.float32)
     if isinstance(value, Fp8BlockArray):
@@ -275,7 +280,8 @@ class ParamFiller:
 def _stack(values: list):
     """Layers (or experts) of one form stacked on a leading axis."""
     if isinstance(values[0], QUANTIZED):
-        stacked = [np.stack(parts) for parts in zip(*(_parts(v) for v in values))]
+        stacked = [None if parts[0] is None else np.stack(parts)
+                   for parts in zip(*(_parts(v) for v in values))]
         return dataclasses.replace(values[0], **dict(zip(_array_fields(values[0]), stacked)))
     return np.stack(values)
 
