@@ -92,10 +92,10 @@ def dequantize_np(value) -> np.ndarray:
              + value.zero.astype(np.float32)[..., None, :])
         return w.reshape(*lead, k, n)
     if isinstance(value, Int8GroupArray):
-        def expand(a):
+        def per_weight(a):
             return np.repeat(a.astype(np.float32), value.group, axis=value.group_axis)
-        w = value.values.astype(np.float32) * expand(value.scale)
-        return w if value.offset is None else w + expand(value.offset)
+        w = value.values.astype(np.float32) * per_weight(value.scale)
+        return w if value.offset is None else w + per_weight(value.offset)
     if isinstance(value, QuantArray):
         return value.values.astype(np.float32) * value.scale.astype(np.float32)
     if isinstance(value, Fp8BlockArray):
