@@ -22,6 +22,12 @@ class Batch:
     # slots this step writes there; None: every layer uses page_table and slot_mapping.
     window_page_table: jax.Array | None = None  # int32[B, pages_per_req]
     window_slot_mapping: jax.Array | None = None  # int32[T]
+    # A linear-attention hybrid (model/linear_attention/): each row's state slot (0, the
+    # null slot, for padded rows) and where each row's tokens start (int32[B + 1]: row r's
+    # are query_start[r] .. query_start[r + 1] - 1; tokens from query_start[B] on are
+    # padding). None: no linear layer.
+    state_slots: jax.Array | None = None  # int32[B]
+    query_start: jax.Array | None = None  # int32[B + 1]
 
     def window_view(self) -> "Batch":
         """The batch as a window layer of a hybrid model reads it."""

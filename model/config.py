@@ -50,10 +50,20 @@ class Family:
     # dims are always interleaved, V3's where config.json's rope_interleave says so.
     latent: bool = False
     rope_interleaved: bool = False
+    # Qwen3-Next / Qwen3.5: every RMSNorm scales by (1 + w) in float32 (Gemma's norm without
+    # its other habits), attention's q_proj also gives a sigmoid gate on its output, and
+    # layer_types mixes Gated DeltaNet layers with attention (model/linear_config.py).
+    norm_offset: bool = False
+    gated_attention: bool = False
+    linear: str = ""
     # The family's config class defaults for fields a config.json may leave out.
     defaults: tuple[tuple[str, object], ...] = ()
 
 
+# Qwen3-Next and Qwen3.5: Gated DeltaNet layers among gated attention ones.
+_QWEN_LINEAR = dict(qk_norm="head", norm_offset=True, gated_attention=True, linear="gdn",
+                    defaults=(("partial_rotary_factor", 0.25), ("head_dim", 256),
+                              ("linear_conv_kernel_dim", 4)))
 # Everything not here is read from config.json.
 FAMILIES = {
     "LlamaForCausalLM": Family(),
@@ -102,6 +112,13 @@ FAMILIES = {
                   ("routed_scaling_factor", 1.0), ("scoring_func", "sigmoid"),
                   ("topk_method", "noaux_tc"), ("partial_rotary_factor", 0.5),
                   ("rms_norm_eps", 1e-5))),
+    "Qwen3NextForCausalLM": Family(**_QWEN_LINEAR, moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False, float32_weights=False,
+        shared_expert=True, sparse_layers=True)),
+    "Qwen3_5ForCausalLM": Family(**_QWEN_LINEAR),
+    "Qwen3_5MoeForCausalLM": Family(**_QWEN_LINEAR, moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=True, float32_weights=False,
+        shared_expert=True, sparse_layers=False)),
     "Gemma2ForCausalLM": Family(gemma=True, defaults=(
         ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
         ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
@@ -175,6 +192,21 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleaved: bool = False  # rope dims stored in pairs; permuted to halves at load
     num_mtp_layers: int = 0  # next-token prediction layers stored after the main ones
+    # q_proj gives each head's query and then a gate of as many values; the attention's
+    # output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5).
+    attn_output_gate: bool = False
+    # Each layer's sequence mixer, "attention" or "gdn" (Gated DeltaNet:
+    # model/linear_attention/); empty: attention everywhere. A linear layer keeps a
+    # recurrent state per request instead of K/V pages (model/linear_config.py).
+    mixers: tuple[str, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    # The recurrent state's dtype as config.json asks (mamba_ssm_dtype); the engine's
+    # --mamba-ssm-cache-dtype may override it.
+    ssm_state_dtype: str = "float32"
     dtype: str = "float32"
     # Mixture of experts (num_experts 0: none). A layer of `moe_layers` sends each token to
     # num_experts_per_tok of the experts; the others keep the dense MLP of intermediate_size.
@@ -237,6 +269,18 @@ class ModelConfig:
     def window(self, layer: int) -> int:
         return self.sliding_windows[layer] if self.sliding_windows else 0
 
+    def mixer(self, layer: int) -> str:
+        return self.mixers[layer] if self.mixers else "attention"
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that keep K/V pages: the attention layers."""
+        return sum(1 for i in range(self.num_layers) if self.mixer(i) == "attention")
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.num_layers - self.num_kv_layers
+
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
@@ -247,7 +291,12 @@ class ModelConfig:
     @property
     def uniform_layers(self) -> bool:
         """Every layer has the same weights (stored stacked); else a list of layers."""
-        return len(set(self.moe_layers)) <= 1
+        return len(set(self.layer_kinds)) <= 1
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, bool], ...]:
+        """Each layer's (mixer, routes to experts?): layers of one kind share a tree shape."""
+        return tuple((self.mixer(i), self.is_moe(i)) for i in range(self.num_layers))
 
     @property
     def moe_family(self) -> MoeFamily:
@@ -260,6 +309,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, dtype: str | None = None) -> "ModelConfig":
+        from model.vlm_text import text_config
+        try:
+            hf = text_config(hf)  # a vision-language checkpoint's language model
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else hf.get("model_type", "?")
         if arch not in FAMILIES:
@@ -282,9 +336,12 @@ class ModelConfig:
         # transformers 5 writes `rope_parameters` (theta included); older files `rope_scaling`.
         try:
             local_theta, rope = layer_types.local_rope(hf, arch)
-            windows = layer_types.sliding_windows(hf, arch, num_layers)
+            windows = (() if family.linear else
+                       layer_types.sliding_windows(hf, arch, num_layers))
         except layer_types.LayerTypesError as e:
             raise ConfigError(str(e)) from None
+        from model.linear_config import linear_fields
+        linear = linear_fields(hf, num_layers) if family.linear else {}
         if hf.get("use_bidirectional_attention"):
             raise ConfigError("unsupported config: use_bidirectional_attention=true (an "
                               "encoder; we serve causal decoders)")
@@ -312,7 +369,7 @@ class ModelConfig:
             sliding_windows=windows,
             local_rope_theta=local_theta,
             hidden_act=_activation(hf),
-            norm_offset=family.gemma,
+            norm_offset=family.gemma or family.norm_offset,
             sandwich_norms=family.gemma,
             scale_embed=family.gemma,
             query_scale=(float(hf["query_pre_attn_scalar"]) ** -0.5
@@ -322,6 +379,8 @@ class ModelConfig:
             final_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
             rotary_dim=_rotary_dim(hf, rope, head_dim),
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+            attn_output_gate=family.gated_attention,
+            **linear,
             **latent,
             **(moe_fields(hf, family.moe, num_layers) if family.moe else {}),
         )
@@ -344,6 +403,7 @@ class ModelConfig:
             d["rope_scaling"] = tuple((k, v) for k, v in d["rope_scaling"])
         d["sliding_windows"] = tuple(d.get("sliding_windows", ()))
         d["moe_layers"] = tuple(d.get("moe_layers", ()))
+        d["mixers"] = tuple(d.get("mixers", ()))
         return cls(**d)
 
 

@@ -16,9 +16,10 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from model import latent_weights
+from model import latent_weights, linear_weights
 from model.config import ModelConfig
 from model.transformer import abstract_params
+from model.vlm_text import text_tensor
 
 # (HF name pattern, parameter path, transpose). "{}" in a path takes the pattern's last group;
 # a pattern with an `experts.E.` part fills expert E's slot of a kernel [E, in, out].
@@ -64,6 +65,8 @@ HF_TABLE = [
     (_LAYER + r"mlp\.experts\.down_proj_bias", (*_MOE, "down_proj", "bias"), False),
     # DeepSeek's latent attention, expert bias and shared experts
     *latent_weights.TABLE,
+    # Gated DeltaNet mixers (Qwen3-Next, Qwen3.5)
+    *linear_weights.TABLE,
 ]
 # gpt-oss's gate and up projections interleaved on the last axis (gate first): tensor ->
 # (gate's path, up's path).
@@ -71,7 +74,9 @@ INTERLEAVED = [
     (_LAYER + r"mlp\.experts\.gate_up_proj", "kernel"),
     (_LAYER + r"mlp\.experts\.gate_up_proj_bias", "bias"),
 ]
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Qwen3-Next's and Qwen3.5's next-token prediction layers (mtp.*), which transformers
+# ignores too.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*")
 
 
 class WeightsError(ValueError):
@@ -173,11 +178,17 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
     params = jax.tree.map(lambda a: np.empty(a.shape, np_dtype(str(a.dtype))), abstract)
     wanted, filled = set(_expected(abstract, cfg)), set()
     files = safetensors_files(hf_dir)
-    names = [(f, n) for f in files for n in _keys(f)]
+    # a vision-language checkpoint's language model alone, under the text model's names
+    stored, names = {}, []
+    for f in files:
+        for n in _keys(f):
+            if (text := text_tensor(n)) is not None:
+                stored[text] = n
+                names.append((f, text))
     bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     opened = {}
     where = {n: f for f, n in names}
-    read = lambda n: _open(opened, where[n]).get_tensor(n)
+    read = lambda n: _open(opened, where[n]).get_tensor(stored[n])
     mxfp4 = _quant_method(hf_dir) == "mxfp4"
     for file, name in bar:
         if mxfp4 and name.endswith(MXFP4_SCALES) and name[:-len(MXFP4_SCALES)] + \
@@ -188,11 +199,11 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
             name = name[:-len(MXFP4_BLOCKS)]
         if latent_weights.is_mtp_layer(name, cfg):
             continue  # next-token prediction layers: not the main model's
-        kv_b = latent_weights.split_kv_b(name, read(name), cfg) if cfg.latent else None
-        if kv_b is not None:
-            for path, part, transpose in kv_b[1]:
-                _store(params, path, kv_b[0], None, part, dtype, name, cfg, transpose)
-                filled.update(_filled(path, kv_b[0], None, cfg))
+        several = _several(name, read, cfg)
+        if several is not None:
+            for path, part, transpose in several[1]:
+                _store(params, path, several[0], None, part, dtype, name, cfg, transpose)
+                filled.update(_filled(path, several[0], None, cfg))
             continue
         split = _locate_interleaved(name)
         target = _locate(name)
@@ -219,6 +230,18 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
         raise WeightsError("missing tensor(s): " + ", ".join(described[:5])
                            + (f" and {len(described) - 5} more" if len(described) > 5 else ""))
     return params
+
+
+def _several(name: str, read, cfg: ModelConfig):
+    """A tensor stored as several of our parameters, or as one of another shape (DeepSeek's
+    kv_b_proj, Qwen3-Next's fused projections, a Gated DeltaNet conv) -> (layer,
+    [(path, array, transpose)]); None for the others. read: name -> the tensor, called only
+    for those."""
+    if cfg.latent and latent_weights.KV_B.fullmatch(name):
+        return latent_weights.split_kv_b(name, read(name), cfg)
+    if cfg.mixers:
+        return linear_weights.split(name, read, cfg)
+    return None
 
 
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"

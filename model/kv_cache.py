@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.kv_groups import num_group_layers
+from model.linear_attention.state import RecurrentState
 from quant.array import quantize
 
 # kv_cache_dtype (one of KV_CACHE_DTYPES) -> storage dtype; "auto" (or None) stores K/V in
@@ -45,6 +46,9 @@ class KVCache:
     # A hybrid model's window layers (model/kv_groups.py): their own cache, on pages of
     # their own; then k / v above hold the full-attention layers only. None: one cache.
     window: "KVCache | None" = None
+    # A linear-attention hybrid's linear layers (model/linear_attention/state.py): a state
+    # slot per running request; then k / v above hold the attention layers only.
+    state: RecurrentState | None = None
 
     @property
     def num_pages(self) -> int:
@@ -57,22 +61,29 @@ class KVCache:
     @staticmethod
     def shape(cfg: ModelConfig, num_pages: int, page_size: int,
               num_layers: int | None = None) -> tuple[int, ...]:
-        layers = cfg.num_layers if num_layers is None else num_layers
+        layers = cfg.num_kv_layers if num_layers is None else num_layers
         if cfg.latent:
             return (layers, num_pages, page_size, 1, cfg.latent_width)
         return (layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
-              window_pages: int = 0) -> "KVCache":
+              window_pages: int = 0, state_slots: int = 0, ssm_dtype: str | None = None
+              ) -> "KVCache":
         """dtype: a kv_cache_dtype ("auto", "int8", "fp8") or a dtype; None: cfg.dtype.
         window_pages > 0 (a hybrid model): the window layers get a cache of that many pages
-        of their own, and num_pages are the full-attention layers'."""
+        of their own, and num_pages are the full-attention layers'. A model with linear
+        layers gets a RecurrentState of state_slots slots (the null slot included; at
+        least 1), its delta-rule state in ssm_dtype (None: the config's)."""
+        state = (RecurrentState.zeros(cfg, max(state_slots, 1), ssm_dtype)
+                 if cfg.num_linear_layers else None)
         if window_pages:
             full, window = num_group_layers(cfg)
             return replace(cls._zeros(cfg, num_pages, page_size, dtype, full),
-                           window=cls._zeros(cfg, window_pages, page_size, dtype, window))
-        return cls._zeros(cfg, num_pages, page_size, dtype, cfg.num_layers)
+                           window=cls._zeros(cfg, window_pages, page_size, dtype, window),
+                           state=state)
+        return replace(cls._zeros(cfg, num_pages, page_size, dtype, cfg.num_kv_layers),
+                       state=state)
 
     @classmethod
     def _zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype,
@@ -98,7 +109,7 @@ def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None,
     dtype as in zeros."""
     dtype, quantized = kv_storage_dtype(cfg, dtype)
     scale_bytes = cfg.num_kv_heads * 4 if quantized else 0
-    layers = cfg.num_layers if num_layers is None else num_layers
+    layers = cfg.num_kv_layers if num_layers is None else num_layers
     if cfg.latent:  # one latent (and one scale) a token and layer
         return layers * page_size * (cfg.latent_width * dtype.itemsize + scale_bytes)
     return 2 * layers * page_size * (cfg.kv_size * dtype.itemsize + scale_bytes)

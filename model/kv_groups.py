@@ -30,17 +30,17 @@ def group_window(cfg: ModelConfig) -> int:
 def num_group_layers(cfg: ModelConfig) -> tuple[int, int]:
     """(full-attention layers, window layers) of a hybrid model."""
     window = sum(1 for w in layer_windows(cfg) if w > 0)
-    return cfg.num_layers - window, window
+    return cfg.num_kv_layers - window, window
 
 
 def kv_layers(cfg: ModelConfig, split: bool) -> list[tuple[bool, int]]:
     """For each layer, (in the window cache?, its index in that cache). split: the cache
-    has a window part; else every layer is in the one cache at its own index."""
-    if not split:
-        return [(False, i) for i in range(cfg.num_layers)]
-    out, count = [], [0, 0]
-    for w in layer_windows(cfg):
-        group = w > 0
-        out.append((group, count[group]))
-        count[group] += 1
+    has a window part; else every attention layer is in the one cache. A linear layer's
+    index is among the linear layers (its slot of the RecurrentState)."""
+    out, count = [], {}
+    for i, w in enumerate(layer_windows(cfg)):
+        group = ("linear" if cfg.mixer(i) != "attention" else
+                 "window" if split and w > 0 else "full")
+        out.append((group == "window", count.get(group, 0)))
+        count[group] = count.get(group, 0) + 1
     return out

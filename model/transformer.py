@@ -20,6 +20,8 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
 from model.kv_groups import kv_layers, layer_windows
 from model.latent_attention import LatentAttention
+from model.linear_attention.gated_deltanet import GatedDeltaNet
+from model.linear_attention.state import RecurrentState
 from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
@@ -38,7 +40,8 @@ class Attention(nn.Module):
         """layer: the model's layer; kv_layer: its index in `cache` (model/kv_groups.py)."""
         cfg = self.cfg
         T = x.shape[0]
-        sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        # gated attention: q_proj gives each head's query, then its output gate
+        sizes = (cfg.q_size * (2 if cfg.attn_output_gate else 1), cfg.kv_size, cfg.kv_size)
         if self.has_variable("params", "qkv_proj"):  # joined by prepare_params
             qkv = Linear(sum(sizes), cfg.qkv_bias, cfg.dtype, name="qkv_proj")(x)
             q, k, v = jnp.split(qkv, (sizes[0], sizes[0] + sizes[1]), axis=-1)
@@ -47,6 +50,10 @@ class Attention(nn.Module):
                        for n, p in zip(sizes, "qkv"))
         if cfg.qk_norm_full:  # OLMoE: over every head at once, before the reshape
             q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
+        gate = None
+        if cfg.attn_output_gate:
+            q, gate = jnp.split(q.reshape(T, cfg.num_heads, 2 * cfg.head_dim), 2, axis=-1)
+            gate = gate.reshape(T, cfg.q_size)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -64,8 +71,10 @@ class Attention(nn.Module):
                                cfg.dtype).astype(jnp.float32)
         out = paged_attention(q, cache, kv_layer, batch, window, cfg.attn_scale, self.backend,
                               sinks=sinks, soft_cap=cfg.attn_soft_cap)
-        out = Linear(cfg.hidden_size, cfg.o_bias, cfg.dtype, name="o_proj")(
-            out.reshape(T, cfg.q_size))
+        out = out.reshape(T, cfg.q_size)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        out = Linear(cfg.hidden_size, cfg.o_bias, cfg.dtype, name="o_proj")(out)
         return reduce_shards(out, self.axis), cache
 
 
@@ -79,9 +88,13 @@ class DecoderLayer(nn.Module):
                  kv_layer: int | None = None):
         cfg = self.cfg
         h = norm(cfg, "input_norm")(x)
-        kind = LatentAttention if cfg.latent else Attention
-        attn = kind(cfg, self.backend, self.axis, name="attn")
-        h, cache = attn(h, cache, layer, window, batch, layer if kv_layer is None else kv_layer)
+        kv_layer = layer if kv_layer is None else kv_layer
+        if cfg.mixer(layer) == "gdn":  # `cache` is then the linear layers' RecurrentState
+            h, cache = GatedDeltaNet(cfg, name="linear_attn")(h, cache, kv_layer, batch)
+        else:
+            kind = LatentAttention if cfg.latent else Attention
+            attn = kind(cfg, self.backend, self.axis, name="attn")
+            h, cache = attn(h, cache, layer, window, batch, kv_layer)
         if cfg.sandwich_norms:
             # Gemma: config.json's post_attention_layernorm norms the attention's output, a
             # pre_feedforward norm feeds the MLP and a post_feedforward norm its output.
@@ -132,19 +145,22 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
     # A hybrid model's window layers read and write their own cache through their own page
     # table (model/kv_groups.py); the others, and every layer of a one-part cache, the main.
     window_cache, cache = cache.window, replace(cache, window=None)
+    # A linear-attention hybrid's linear layers keep a recurrent state per request instead
+    # (model/linear_attention/state.py), each at its index among them.
+    state, cache = cache.state, replace(cache, state=None)
     window_batch = batch.window_view() if window_cache is not None else None
     for i, (in_window, j) in enumerate(kv_layers(cfg, window_cache is not None)):
         variables = {"params": params["layers"][i]}
         if routing is not None:
             variables["lora"] = lora.layer_variables(lora_slots[i], routing)
         w = jnp.int32(windows[i])
-        if in_window:
+        if cfg.mixer(i) != "attention":
+            x, state = layer.apply(variables, x, state, i, w, batch, j)
+        elif in_window:
             x, window_cache = layer.apply(variables, x, window_cache, i, w, window_batch, j)
         else:
             x, cache = layer.apply(variables, x, cache, i, w, batch, j)
-    if window_cache is not None:
-        cache = replace(cache, window=window_cache)
-    return x, cache
+    return x, replace(cache, window=window_cache, state=state)
 
 
 def final_norm(params, hidden, cfg: ModelConfig):
@@ -180,23 +196,31 @@ def abstract_params(cfg: ModelConfig):
     key = jax.random.PRNGKey(0)
     if cfg.uniform_layers:
         return jax.eval_shape(lambda: _init(cfg, key))
-    kinds = (cfg.moe_layers.index(False), cfg.moe_layers.index(True))
-    two = replace(cfg, num_layers=2, moe_layers=(False, True),
-                  sliding_windows=tuple(cfg.window(i) for i in kinds) if cfg.sliding_windows
-                  else ())
-    params = jax.eval_shape(lambda: _init(two, key))
-    return {**params, "layers": [params["layers"][int(moe)] for moe in cfg.moe_layers]}
+    kinds = sorted(set(cfg.layer_kinds))
+    first = [cfg.layer_kinds.index(kind) for kind in kinds]  # a layer of each kind
+    some = replace(cfg, num_layers=len(kinds),
+                   moe_layers=tuple(moe for _, moe in kinds) if cfg.moe_layers else (),
+                   mixers=tuple(mixer for mixer, _ in kinds) if cfg.mixers else (),
+                   sliding_windows=tuple(cfg.window(i) for i in first) if cfg.sliding_windows
+                   else ())
+    params = jax.eval_shape(lambda: _init(some, key))
+    return {**params, "layers": [params["layers"][kinds.index(kind)]
+                                 for kind in cfg.layer_kinds]}
 
 
 def _init(cfg: ModelConfig, key):
     cfg = replace(cfg, expert_shards=1)  # a stored tree holds every expert
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     batch = Batch(*(jnp.zeros((1,), jnp.int32) for _ in range(4)),
-                  jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+                  jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
+                  state_slots=jnp.zeros((1,), jnp.int32),
+                  query_start=jnp.array([0, 1], jnp.int32))
     cache = KVCache.zeros(cfg, 1, 1)
+    state = RecurrentState.zeros(cfg, 1) if cfg.num_linear_layers else None
     x = jnp.zeros((1, cfg.hidden_size), cfg.dtype)
     init_layer = lambda k, i: DecoderLayer(cfg, "reference").init(
-        k, x, cache, i, jnp.int32(0), batch)["params"]
+        k, x, state if cfg.mixer(i) != "attention" else cache, i, jnp.int32(0), batch,
+        0)["params"]
     keys = jax.random.split(k_layers, cfg.num_layers)
     if cfg.uniform_layers:
         layers = jax.vmap(lambda k: init_layer(k, 0))(keys)

@@ -1,0 +1,1 @@
+"""Linear-attention sequence mixers: recurrent state per request instead of paged K/V."""
