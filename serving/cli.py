@@ -70,6 +70,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model's dtype; float16 for the demo "
                         "model on a CPU), a float dtype, or int8 / fp8 with scales")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=("auto", *DTYPES),
+                   help="a linear-attention hybrid's recurrent state (Qwen3-Next, Qwen3.5): "
+                        "auto (config.json's mamba_ssm_dtype, else float32) or a float dtype")
     p.add_argument("--compilation-cache-dir", default=None,
                    help=f"compiled programs and weights quantized at load, kept for the "
                         f"next start (default: {default_cache_root() / 'jax-cache'}); '' "
@@ -197,7 +200,7 @@ def _engine_config(args) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                  seed=args.seed, max_logprobs=args.max_logprobs,
+                  mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, seed=args.seed, max_logprobs=args.max_logprobs,
                   enable_prefix_caching=args.enable_prefix_caching,
                   async_scheduling=args.async_scheduling,
                   speculative_config=args.speculative_config,

@@ -44,6 +44,9 @@ class EngineConfig:
     # "auto" (the model's dtype; float16 for the demo model on a CPU), a float dtype, or
     # "int8" / "fp8"
     kv_cache_dtype: str = "auto"
+    # A linear-attention hybrid's recurrent state (vLLM's --mamba-ssm-cache-dtype): "auto"
+    # (config.json's mamba_ssm_dtype, else float32) or a float dtype
+    mamba_ssm_cache_dtype: str = "auto"
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None

@@ -12,6 +12,7 @@ from serving.core.kv_window import request_pages
 from serving.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from serving.core.request_checks import RequestRefused, fit_max_tokens, fit_pooling_prompt
 from serving.core.spec_decode import SpecDecodeStats, check_verified, num_drafts
+from serving.core.state_slots import StateKVCacheManager, StateSlots
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class SchedulerConfig:
     # Positions past a sampling step's tokens that get pages with it (MTP's chained guesses
     # write their latents there: serving/engine/mtp_drafter.py); 0: none
     num_lookahead_tokens: int = 0
+    # A linear-attention hybrid (core/state_slots.py): the recurrent state slots running
+    # requests hold, one each; 0: no linear layer.
+    state_slots: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -71,6 +75,7 @@ class ScheduledRequest:
     # A hybrid model's window layers' page table (core/kv_hybrid.py); None: one table
     window_page_ids: list[int] | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens it verifies
+    state_slot: int | None = None  # a linear-attention hybrid's state slot (core/state_slots.py)
 
     @property
     def num_rows(self) -> int:
@@ -102,6 +107,9 @@ class Scheduler:
             self.kv_cache_manager = KVCacheManager(
                 config.num_pages, config.page_size, config.enable_prefix_caching,
                 config.model_key, config.sliding_window)
+        if config.state_slots:
+            self.kv_cache_manager = StateKVCacheManager(self.kv_cache_manager,
+                                                        StateSlots(config.state_slots))
         self.allocator = self.kv_cache_manager.allocator
         self.waiting: deque[Request] = deque()
         # Admission is FCFS and preemption takes the newest, so every running request arrived
@@ -340,7 +348,9 @@ class Scheduler:
         tokens = req.slice_token_ids(start, start + n)
         return ScheduledRequest(req, n + len(spec), start, tokens + spec if spec else tokens,
                                 start + n == req.num_tokens, list(kvm.page_ids(req.request_id)),
-                                window, list(spec))
+                                window, list(spec),
+                                kvm.state_slot(req.request_id) if self.config.state_slots
+                                else None)
 
     # -- update -----------------------------------------------------------------------------
 

@@ -68,7 +68,8 @@ def plan_cache(engine, page_bytes: int) -> CachePlan:
     if limit:
         plan = sizing.gpu_plan(
             ec, engine.cfg, page_bytes,
-            engine.device_weight_bytes() + (engine.draft.weight_bytes if engine.draft else 0),
+            engine.device_weight_bytes() + (engine.draft.weight_bytes if engine.draft else 0)
+            + engine.state_bytes,
             limit, engine._activation_peak, seq_pages, pool, devices=split)
         log.info("%s", plan.describe())
         max_model_len, num_pages, window_pages = (plan.max_model_len, plan.num_pages,

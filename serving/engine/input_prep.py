@@ -124,11 +124,23 @@ def _token_arrays(sched: list[ScheduledRequest], T: int, R: int, P: int, page_si
                   req_indices=req_indices, page_table=page_table, logits_indices=logits_indices,
                   draft_ids=draft_ids, row_start=row_start,
                   prev_rows=prev_rows_array(sched, input_ids, req, T, prev_rows))
+    if sched[0].state_slot is not None:  # a linear-attention hybrid (model/linear_attention/)
+        arrays.update(state_arrays([s.state_slot for s in sched], counts, R))
     if sched[0].window_page_ids is not None:  # a hybrid model's window layers
         window_table = page_table_rows([s.window_page_ids for s in sched], R, P)
         arrays.update(window_page_table=window_table,
                       window_slot_mapping=slots_array(window_table, req, pos, T, page_size))
     return arrays
+
+
+def state_arrays(slots: list[int], counts: np.ndarray, R: int) -> dict[str, np.ndarray]:
+    """Each row's state slot (padded rows: the null slot 0) and where its tokens start
+    (padded rows start, and end, at the step's last real token)."""
+    state_slots = np.zeros(R, np.int32)
+    state_slots[:len(slots)] = slots
+    query_start = np.full(R + 1, int(counts.sum()), np.int32)
+    query_start[:len(slots) + 1] = np.concatenate([[0], np.cumsum(counts)])
+    return dict(state_slots=state_slots, query_start=query_start)
 
 
 def prev_rows_array(sched: list[ScheduledRequest], input_ids: np.ndarray, req: np.ndarray,
@@ -180,9 +192,11 @@ def _rows(sched: list[ScheduledRequest]):
     return [(s, j) for s in sched for j in range(s.num_rows)]
 
 
-def padding_step(shape: tuple[int, int, int], hybrid: bool = False) -> StepArrays:
+def padding_step(shape: tuple[int, int, int], hybrid: bool = False,
+                 linear: bool = False) -> StepArrays:
     """A step of the given shape made only of padding (for compiling it). hybrid: with the
-    window layers' page table too (model/kv_groups.py)."""
+    window layers' page table too (model/kv_groups.py); linear: with the state slots of a
+    linear-attention hybrid (model/linear_attention/)."""
     T, R, P = shape
     batch = dict(input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
                  slot_mapping=np.full(T, SINK_SLOT, np.int32),
@@ -192,6 +206,8 @@ def padding_step(shape: tuple[int, int, int], hybrid: bool = False) -> StepArray
     if hybrid:
         batch.update(window_page_table=np.zeros((R, P), np.int32),
                      window_slot_mapping=np.full(T, SINK_SLOT, np.int32))
+    if linear:
+        batch.update(state_arrays([], np.zeros(0, np.int32), R))
     sampling = _sampling_arrays(SchedulerOutput(), R)
     sampling["any_masked"] = np.bool_(False)
     return StepArrays(shape, batch, sampling, False)

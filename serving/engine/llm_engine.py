@@ -26,7 +26,8 @@ from model.checkpoint import param_bytes
 from model.kv_cache import bytes_per_page
 from model.mtp import is_mtp_method
 from quant.recipe import describe as describe_quantization
-from serving.engine import demo_defaults, engine_setup, memory_plan, mesh, multiprocess, sizing
+from serving.engine import (demo_defaults, engine_setup, linear_setup, memory_plan, mesh,
+                            multiprocess, sizing)
 from serving.core.config import EngineConfig
 from serving.core.kv_events_config import KVEventsConfig
 from serving.engine.faults import Faults
@@ -110,6 +111,7 @@ class LLMEngine:
         self.cfg = replace(mesh.with_expert_parallel(
             self.cfg, ec.data_parallel_size if self.lockstep else ec.tensor_parallel_size,
             ec.enable_expert_parallel), moe_backend=ec.moe_backend)
+        ec = self.config = linear_setup.check(ec, self.cfg, self.speculative_config)
         # --task embed: pooler and model facts (a bad --pooler-config fails here)
         self.embedder = (Embedder(self.model_dir, self.cfg.hidden_size, ec.pooler_config)
                          if self.task == "embed" else None)
@@ -122,6 +124,9 @@ class LLMEngine:
                           if self.lockstep else
                           mesh.placement(self.cfg, ec.tensor_parallel_size, ec.kv_cache_dtype,
                                          ec.data_parallel_rank * ec.tensor_parallel_size))
+        self.state_bytes = linear_setup.place_state(ec, self.cfg, self.placement,
+                                                    linear_setup.room(ec, self.placement,
+                                                                      self.weight_bytes))
         # A saved program is bound to the devices it runs on (a mesh's, or a replica's
         # own), which are part of its key. Not over several processes: each holds a part
         # of the mesh, and those compile at every start.
@@ -180,7 +185,8 @@ class LLMEngine:
             model_key=model_key(self.model_dir, ec),
             max_loras=self.lora.config.max_loras if self.lora else 0, sliding_window=window,
             window_group=pool.window if pool else 0, window_num_pages=self.window_num_pages,
-            num_lookahead_tokens=self.mtp.k - 1 if self.mtp else 0))
+            num_lookahead_tokens=self.mtp.k - 1 if self.mtp else 0,
+            state_slots=ec.max_num_seqs if self.linear else 0))
         self.input_batch = InputBatch(self.buckets, ec.page_size, ec.max_num_seqs,
                                       self.runner.bitmask_width,
                                       self.embedder and self.embedder.pooler.pooling_type)
@@ -238,18 +244,24 @@ class LLMEngine:
             return self.weight_bytes + lora
         return self.placement.weight_bytes(self.runner.params) + lora
 
+    @property
+    def linear(self) -> bool:
+        """A linear-attention hybrid (serving/engine/linear_setup.py)."""
+        return self.cfg.num_linear_layers > 0
+
     def _activation_peak(self, max_len: int) -> int:
         """Temporaries of the largest step program at this context length."""
         b = sizing.buckets(self.config, max_len, self.max_num_batched_tokens,
                            self.attention_backend)
         largest = max(all_step_shapes(b, self.config.max_num_seqs))
-        return self.runner.activation_peak_bytes(padding_step(largest, self.runner.hybrid_kv))
+        return self.runner.activation_peak_bytes(padding_step(largest, self.runner.hybrid_kv,
+                                                                 self.linear))
 
     def warmup(self) -> WarmupReport:
         """Loads or compiles every program, then runs one step (its first run allocates
         what later steps reuse, and a program that cannot run fails here, before /health
         says 200). Records the phases in `timings`."""
-        report = self.runner.warmup([padding_step(s, self.runner.hybrid_kv)
+        report = self.runner.warmup([padding_step(s, self.runner.hybrid_kv, self.linear)
                                      for s in self.step_shapes],
                                     self.config.progress)
         if self.draft or self.mtp:  # counted with the others
@@ -267,7 +279,8 @@ class LLMEngine:
         self.timings["compile/load"] = report.wall
         started = time.perf_counter()
         self.runner.fetch(self.runner.dispatch(padding_step(self.step_shapes[0],
-                                                            self.runner.hybrid_kv)))
+                                                            self.runner.hybrid_kv,
+                                                            self.linear)))
         self.timings["first step"] = time.perf_counter() - started
         if self.cluster is not None and self.cluster.is_leader:  # from now on, steps are sent
             self.runner.step_sink = self.cluster.send_step

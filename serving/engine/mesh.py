@@ -42,6 +42,9 @@ class SingleDevice:
         self.model_cfg = cfg  # what each device's program computes
         self.axis = None
         self.device = device
+        # A linear-attention hybrid's state slots (the null slot included) and the delta
+        # rule state's dtype (None: the config's), set by the engine before the cache is.
+        self.state_slots, self.ssm_dtype = 0, None
 
     def prepare(self, params, free_stacked: bool = False):
         return prepare_params(params, free_stacked=free_stacked)
@@ -49,12 +52,13 @@ class SingleDevice:
 
     def zeros_cache(self, num_pages: int, page_size: int, dtype,
                     window_pages: int = 0) -> KVCache:
-        return KVCache.zeros(self.cfg, num_pages, page_size, dtype, window_pages)
+        return KVCache.zeros(self.cfg, num_pages, page_size, dtype, window_pages,
+                             self.state_slots, self.ssm_dtype)
 
     def abstract_cache(self, num_pages: int, page_size: int, dtype,
                        window_pages: int = 0) -> KVCache:
-        return jax.eval_shape(lambda: KVCache.zeros(self.cfg, num_pages, page_size, dtype,
-                                                    window_pages))
+        return jax.eval_shape(lambda: self.zeros_cache(num_pages, page_size, dtype,
+                                                       window_pages))
 
     def put(self, x):
         return jax.device_put(x, self.device)
@@ -209,6 +213,10 @@ def placement(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype=No
     devices = jax.devices()
     if tensor_parallel_size == 1:
         return SingleDevice(cfg, devices[first_device] if first_device else None)
+    if cfg.num_linear_layers:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: a linear-attention "
+                         f"hybrid ({cfg.architecture}) is served on one device per replica "
+                         "for now (tensor_parallel_size 1)")
     sharding.check_size(cfg, tensor_parallel_size, len(devices) - first_device)
     group = devices[first_device:first_device + tensor_parallel_size]
     return TensorParallel(cfg, Mesh(np.array(group), (sharding.AXIS,)), kv_cache_dtype)
