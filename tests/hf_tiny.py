@@ -4,6 +4,7 @@ from pathlib import Path
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
+LINEAR_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -31,6 +32,8 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
         cfg, cls = _tiny_moe_config(family)
     elif family in GEMMA_FAMILIES:
         cfg, cls = _tiny_gemma_config(family)
+    elif family in LINEAR_FAMILIES:
+        cfg, cls = _tiny_linear_config(family)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -42,6 +45,8 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.3)
+    if family in LINEAR_FAMILIES:
+        _perturb_linear(model)
     if getattr(model.config, "attention_bias", False) or family in ("qwen2", "qwen2_moe"):
         with torch.no_grad():  # random biases so a dropped bias shows up
             for name, p in model.named_parameters():
@@ -106,6 +111,59 @@ def _tiny_gemma_config(family: str):
                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                        "rope_theta": 10000.0}}),
             tf.Gemma3ForCausalLM)
+
+
+def _tiny_linear_config(family: str):
+    """Five layers: Gated DeltaNet in layers 0-2 and 4, gated attention with partial RoPE in
+    layer 3 (full_attention_interval's default); 2 key heads read by 4 value heads. Qwen3-Next
+    keeps layer 1 dense (mlp_only_layers) among MoE layers with a shared expert."""
+    import transformers as tf
+    common = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, attn_implementation="eager")
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=40, experts_implementation="eager",
+               initializer_range=0.1)
+    if family == "qwen3_next":
+        return (tf.Qwen3NextConfig(**common, **moe, mlp_only_layers=[1], norm_topk_prob=True),
+                tf.Qwen3NextForCausalLM)
+    if family == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**common, tie_word_embeddings=True), tf.Qwen3_5ForCausalLM
+    return tf.Qwen3_5MoeTextConfig(**common, **moe), tf.Qwen3_5MoeForCausalLM
+
+
+def tiny_qwen3_5_vlm(out_dir: Path, seed: int = 0):
+    """A Qwen3_5ForConditionalGeneration checkpoint (what Qwen/Qwen3.5-* ship): the
+    qwen3_5 text model above under `model.language_model.`, beside a one-block vision
+    tower."""
+    import torch
+    import transformers as tf
+    text, _ = _tiny_linear_config("qwen3_5")
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48,
+                  out_hidden_size=64, patch_size=4, num_position_embeddings=64)
+    cfg = tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
+                           tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = tf.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    _perturb_linear(model)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def _perturb_linear(model) -> None:
+    """Zero-centred norms start at w = 0 and the gates at their symmetric init: random
+    values so each is read (dt_bias and A_log as real checkpoints spread them)."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0 if "linear_attn" not in name else 1, 0.3)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith("A_log"):
+                p.uniform_(-2.0, 1.0)
 
 
 def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
