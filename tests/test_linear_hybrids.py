@@ -3,13 +3,14 @@ config fields each family reads, logits over the paged cache and the recurrent s
 step, and a prefill split over steps), greedy tokens through the engine with chunked prefill
 at an odd chunk size, default buckets and preemption, batched equal to alone, and the state
 slots all given back."""
+from dataclasses import replace
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from model.batch import Batch
+from model.batch import sequences_batch
 from model.checkpoint import load_model
 from model.config import ConfigError, ModelConfig
 from model.kv_cache import KVCache
@@ -61,19 +62,12 @@ def test_config_reads_each_family(family):
 
 
 def _step(prompts, starts, table, slots):
-    """A numpy Batch continuing each prompt from its start, logits for every token."""
-    ids, pos, page_slots, reqs = [], [], [], []
-    for r, (p, s0) in enumerate(zip(prompts, starts)):
-        for j, t in enumerate(p):
-            ids.append(t)
-            pos.append(s0 + j)
-            page_slots.append(int(table[r, (s0 + j) // PAGE]) * PAGE + (s0 + j) % PAGE)
-            reqs.append(r)
-    counts = [len(p) for p in prompts]
-    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
-    return Batch(i32(ids), i32(pos), i32(page_slots), i32(reqs), i32(table),
-                 i32(np.arange(len(ids))), state_slots=i32(slots),
-                 query_start=i32(np.concatenate([[0], np.cumsum(counts)])))
+    """A numpy Batch continuing each prompt from its start, logits for every token, each
+    row's state in slots[row]."""
+    counts = np.cumsum([0] + [len(p) for p in prompts])
+    return replace(sequences_batch(prompts, table, PAGE, starts),
+                   state_slots=np.asarray(slots, np.int32),
+                   query_start=counts.astype(np.int32))
 
 
 _forward = jax.jit(forward, static_argnames=("cfg", "backend"))

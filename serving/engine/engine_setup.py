@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from model.config import KV_CACHE_DTYPES, MOE_BACKENDS
+from model.config import DTYPES, KV_CACHE_DTYPES, MOE_BACKENDS
 from model.formats import PREQUANTIZED_METHODS
 from quant.recipe import Recipe
 from serving.core.buckets import Buckets
@@ -24,6 +24,9 @@ def check_config(ec: EngineConfig) -> None:
     if ec.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {ec.kv_cache_dtype!r}; choose one of "
                          + ", ".join(KV_CACHE_DTYPES))
+    if ec.mamba_ssm_cache_dtype not in ("auto", *DTYPES):
+        raise ValueError(f"unknown mamba_ssm_cache_dtype {ec.mamba_ssm_cache_dtype!r}; "
+                         "choose one of auto, " + ", ".join(DTYPES))
     if ec.moe_backend not in MOE_BACKENDS:
         raise ValueError(f"unknown moe_backend {ec.moe_backend!r}; choose one of "
                          + ", ".join(MOE_BACKENDS))

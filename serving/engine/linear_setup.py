@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from model.config import DTYPES, ModelConfig
+from model.config import ModelConfig
 from model.linear_attention.state import slot_bytes
 from serving.core.config import EngineConfig
 
@@ -32,9 +32,6 @@ def check(ec: EngineConfig, cfg: ModelConfig, speculative) -> EngineConfig:
         if given:
             raise ValueError(f"{flag} is not served for this model yet: {what}, whose "
                              "recurrent state the feature does not keep")
-    if ec.mamba_ssm_cache_dtype not in ("auto", *DTYPES):
-        raise ValueError(f"unknown mamba_ssm_cache_dtype {ec.mamba_ssm_cache_dtype!r}; "
-                         "choose one of auto, " + ", ".join(DTYPES))
     if ec.enable_prefix_caching:
         log.warning("prefix caching is off: %s and its state keeps no checkpoints to resume "
                     "a prefix from", what)
@@ -68,13 +65,13 @@ def place_state(ec: EngineConfig, cfg: ModelConfig, placement, room: int | None)
     slots = ec.max_num_seqs + 1
     total = slots * per
     if room is not None and total >= room:
-        fits = max(room // per - 1, 0)
+        most = max((room - 1) // per - 1, 0)  # (most + 1) slots leave a byte for the KV cache
         raise ValueError(
             f"max_num_seqs {ec.max_num_seqs}: each request holds {per / 2**20:.1f} MiB of "
             f"recurrent state ({cfg.num_linear_layers} linear layers, {dtype}), "
             f"{total / GIB:.2f} GiB for {slots} slots (the null one included), but "
             f"{room / GIB:.2f} GiB is left for the state and the KV cache; lower "
-            f"--max-num-seqs to at most {fits - 1 if fits else 0}, or "
+            f"--max-num-seqs to at most {most}, or "
             "--mamba-ssm-cache-dtype to a smaller dtype")
     placement.state_slots, placement.ssm_dtype = slots, dtype
     log.info("recurrent state of the %d linear layers: %d slots (max_num_seqs %d and the "
