@@ -6,134 +6,16 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from model import layer_types
+from model.families import FAMILIES, Family, MoeFamily  # noqa: F401  (re-exported)
 
 
-@dataclass(frozen=True)
-class MoeFamily:
-    """How a family's config.json names its mixture of experts and how it routes a token:
-    softmax over every expert in float32, the top k, then as these flags say."""
-    expert_size_field: str  # each expert's intermediate size
-    always_renormalize: bool  # top-k weights divided by their sum, norm_topk_prob or not
-    # transformers 5 keeps Mixtral's top-k weights in float32 (each expert's output times
-    # its weight rounds once to the activations' dtype); the others cast the weights to the
-    # activations' dtype first. Only a bfloat16 or float16 model can tell the two apart.
-    float32_weights: bool
-    shared_expert: bool  # Qwen2-MoE: a dense gated expert every token goes through too
-    sparse_layers: bool  # decoder_sparse_step and mlp_only_layers pick the MoE layers
-    # gpt-oss: the router and every expert projection carry biases, the k largest logits are
-    # picked first and softmaxed among themselves, and the gate is a clamped SwiGLU.
-    biases: bool = False
-    topk_then_softmax: bool = False
-    # DeepSeek's routers (and GLM-4.5's): a shared expert of moe_intermediate_size *
-    # n_shared_experts with no gate, the first first_k_dense_replace layers dense, and
-    # "v2": softmax scores, topk_method greedy or group_limited_greedy (groups scored by
-    # their best expert), never renormalized; "v3" ("noaux_tc"): sigmoid scores, a bias
-    # added for the choice alone, groups scored by their two best, norm_topk_prob read.
-    # Both times routed_scaling_factor.
-    deepseek_router: str = ""
-
-
-@dataclass(frozen=True)
-class Family:
-    qkv_bias: bool = False  # q/k/v carry biases (config.json's `qkv_bias` may say otherwise)
-    # "head": RMSNorm of each head of q and k (Qwen3); "full": of the whole q and k
-    # projections before the head reshape (OLMoE); "config": per head where config.json's
-    # use_qk_norm says so (GLM-4.5).
-    qk_norm: str = ""
-    o_bias: bool = True  # o_proj carries a bias where attention_bias says so
-    moe: MoeFamily | None = None
-    # Gemma: norms scale by (1 + w) in float32, every block's output is normed too before the
-    # residual add ("sandwich"), and the embeddings are multiplied by sqrt(hidden_size).
-    gemma: bool = False
-    sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
-    # DeepSeek-V2/V3: multi-head latent attention (model/latent_attention.py); V2's rope
-    # dims are always interleaved, V3's where config.json's rope_interleave says so.
-    latent: bool = False
-    rope_interleaved: bool = False
-    # Qwen3-Next / Qwen3.5: every RMSNorm scales by (1 + w) in float32 (Gemma's norm without
-    # its other habits), attention's q_proj also gives a sigmoid gate on its output, and
-    # layer_types mixes Gated DeltaNet layers with attention (model/linear_config.py).
-    norm_offset: bool = False
-    gated_attention: bool = False
-    linear: str = ""
-    # The family's config class defaults for fields a config.json may leave out.
-    defaults: tuple[tuple[str, object], ...] = ()
-
-
-# Qwen3-Next and Qwen3.5: Gated DeltaNet layers among gated attention ones.
-_QWEN_LINEAR = dict(qk_norm="head", norm_offset=True, gated_attention=True, linear="gdn",
-                    defaults=(("partial_rotary_factor", 0.25), ("head_dim", 256),
-                              ("linear_conv_kernel_dim", 4)))
-# Everything not here is read from config.json.
-FAMILIES = {
-    "LlamaForCausalLM": Family(),
-    "MistralForCausalLM": Family(),
-    "Qwen2ForCausalLM": Family(qkv_bias=True),
-    "Qwen3ForCausalLM": Family(qk_norm="head"),
-    "MixtralForCausalLM": Family(moe=MoeFamily(
-        "intermediate_size", always_renormalize=True,
-        float32_weights=True, shared_expert=False, sparse_layers=False)),
-    "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=False,
-        float32_weights=False, shared_expert=True, sparse_layers=True)),
-    "Qwen3MoeForCausalLM": Family(qk_norm="head", moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=False,
-        float32_weights=False, shared_expert=False, sparse_layers=True)),
-    "OlmoeForCausalLM": Family(qk_norm="full", moe=MoeFamily(
-        "intermediate_size", always_renormalize=False,
-        float32_weights=False, shared_expert=False, sparse_layers=False)),
-    "GptOssForCausalLM": Family(sinks=True, moe=MoeFamily(
-        "intermediate_size", always_renormalize=False, float32_weights=False,
-        shared_expert=False, sparse_layers=False, biases=True, topk_then_softmax=True),
-        defaults=(("attention_bias", True), ("sliding_window", 128), ("rms_norm_eps", 1e-5),
-                  ("num_experts_per_tok", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
-                  ("rope_theta", 150000.0), ("max_position_embeddings", 131072))),
-    "DeepseekV2ForCausalLM": Family(latent=True, rope_interleaved=True, moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v2"),
-        defaults=(("n_shared_experts", 2), ("first_k_dense_replace", 0),
-                  ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
-                  ("kv_lora_rank", 512), ("q_lora_rank", 1536), ("topk_method", "greedy"),
-                  ("routed_scaling_factor", 1.0), ("scoring_func", "softmax"))),
-    "DeepseekV3ForCausalLM": Family(latent=True, moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v3"),
-        defaults=(("n_shared_experts", 1), ("first_k_dense_replace", 3),
-                  ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
-                  ("kv_lora_rank", 512), ("q_lora_rank", 1536), ("norm_topk_prob", True),
-                  ("rope_interleave", True), ("n_group", 8), ("topk_group", 4),
-                  ("routed_scaling_factor", 2.5), ("scoring_func", "sigmoid"),
-                  ("topk_method", "noaux_tc"))),
-    "Glm4MoeForCausalLM": Family(o_bias=False, qk_norm="config", moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v3"),
-        defaults=(("n_shared_experts", 1), ("first_k_dense_replace", 1),
-                  ("norm_topk_prob", True), ("n_group", 1), ("topk_group", 1),
-                  ("routed_scaling_factor", 1.0), ("scoring_func", "sigmoid"),
-                  ("topk_method", "noaux_tc"), ("partial_rotary_factor", 0.5),
-                  ("rms_norm_eps", 1e-5))),
-    "Qwen3NextForCausalLM": Family(**_QWEN_LINEAR, moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=False, float32_weights=False,
-        shared_expert=True, sparse_layers=True)),
-    "Qwen3_5ForCausalLM": Family(**_QWEN_LINEAR),
-    "Qwen3_5MoeForCausalLM": Family(**_QWEN_LINEAR, moe=MoeFamily(
-        "moe_intermediate_size", always_renormalize=True, float32_weights=False,
-        shared_expert=True, sparse_layers=False)),
-    "Gemma2ForCausalLM": Family(gemma=True, defaults=(
-        ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
-        ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
-        ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
-        ("tie_word_embeddings", True), ("max_position_embeddings", 8192))),
-    "Gemma3ForCausalLM": Family(qk_norm="head", gemma=True, defaults=(
-        ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
-        ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
-        ("tie_word_embeddings", True), ("max_position_embeddings", 131072))),
-}
 # config.json's activation names -> ours; the MLP's gate goes through it.
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
 DTYPES = ("float32", "bfloat16", "float16")
 # KV cache storage (model/kv_cache.py): "auto" is the model's dtype; a float dtype stores K/V
 # rounded to it; int8 / fp8 store them quantized with a scale per (token, KV head).
+# The mixers that keep a recurrent state per request.
+LINEAR_MIXERS = ("gdn", "mamba2")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 # model/attention.py's backends ("auto" picks one for the device): named here, without JAX,
 # for the CLI's choices.
@@ -195,15 +77,34 @@ class ModelConfig:
     # q_proj gives each head's query and then a gate of as many values; the attention's
     # output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5).
     attn_output_gate: bool = False
-    # Each layer's sequence mixer, "attention" or "gdn" (Gated DeltaNet:
-    # model/linear_attention/); empty: attention everywhere. A linear layer keeps a
-    # recurrent state per request instead of K/V pages (model/linear_config.py).
+    # Each layer's sequence mixer: "attention", "gdn" (Gated DeltaNet) or "mamba2"
+    # (model/linear_attention/), or "none" (a block with an MLP alone); empty: attention
+    # everywhere. A linear layer keeps a recurrent state per request instead of K/V pages
+    # (model/linear_config.py, model/mamba_config.py).
     mixers: tuple[str, ...] = ()
+    # Each layer is one block: its mixer, or its MLP where the mixer is "none", on the normed
+    # input, added to the residual (Nemotron-H). Else a layer is a mixer and then an MLP.
+    blocks: bool = False
+    mlp_gated: bool = True  # act(gate) * up; else act(up) (Nemotron-H)
+    use_rope: bool = True  # else attention sees no positions but the causal mask (NoPE)
+    norm_weight_f32: bool = False  # RMSNorm multiplies its weight in float32, then casts
     linear_key_heads: int = 0
     linear_value_heads: int = 0
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # Mamba2 mixers: heads of ssm_head_dim channels, each with a [ssm_head_dim,
+    # ssm_state_size] state; B and C shared by the heads of each of ssm_groups groups; the
+    # conv carries a bias where ssm_conv_bias; in_proj and out_proj where ssm_proj_bias;
+    # the time step clamped to ssm_dt_limit; ssm_chunk the chunked form's chunk.
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_state_size: int = 0
+    ssm_groups: int = 0
+    ssm_chunk: int = 0
+    ssm_conv_bias: bool = False
+    ssm_proj_bias: bool = False
+    ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
     # The recurrent state's dtype as config.json asks (mamba_ssm_dtype); the engine's
     # --mamba-ssm-cache-dtype may override it.
     ssm_state_dtype: str = "float32"
@@ -279,7 +180,8 @@ class ModelConfig:
 
     @property
     def num_linear_layers(self) -> int:
-        return self.num_layers - self.num_kv_layers
+        """The layers that keep a recurrent state instead."""
+        return sum(1 for i in range(self.num_layers) if self.mixer(i) in LINEAR_MIXERS)
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -322,6 +224,9 @@ class ModelConfig:
         from model.moe_config import moe_fields
         family = FAMILIES[arch]
         hf = {**dict(family.defaults), **hf}
+        if family.linear == "mamba2":
+            from model.mamba_config import nemotron_hf
+            hf = nemotron_hf(hf)
         if hf.get("index_topk") is not None:
             raise ConfigError(f"unsupported config: index_topk={hf['index_topk']!r} "
                               "(DeepSeek-V3.2's sparse-attention indexer is not served)")
@@ -341,7 +246,9 @@ class ModelConfig:
         except layer_types.LayerTypesError as e:
             raise ConfigError(str(e)) from None
         from model.linear_config import linear_fields
-        linear = linear_fields(hf, num_layers) if family.linear else {}
+        from model.mamba_config import mamba_fields
+        linear = ({"gdn": linear_fields, "mamba2": mamba_fields}[family.linear](hf, num_layers)
+                  if family.linear else {})
         if hf.get("use_bidirectional_attention"):
             raise ConfigError("unsupported config: use_bidirectional_attention=true (an "
                               "encoder; we serve causal decoders)")
@@ -380,6 +287,10 @@ class ModelConfig:
             rotary_dim=_rotary_dim(hf, rope, head_dim),
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             attn_output_gate=family.gated_attention,
+            blocks=family.blocks,
+            mlp_gated=not family.blocks,
+            use_rope=not family.blocks,
+            norm_weight_f32=family.blocks,
             **linear,
             **latent,
             **(moe_fields(hf, family.moe, num_layers) if family.moe else {}),
@@ -404,6 +315,8 @@ class ModelConfig:
         d["sliding_windows"] = tuple(d.get("sliding_windows", ()))
         d["moe_layers"] = tuple(d.get("moe_layers", ()))
         d["mixers"] = tuple(d.get("mixers", ()))
+        if "ssm_dt_limit" in d:
+            d["ssm_dt_limit"] = tuple(d["ssm_dt_limit"])
         return cls(**d)
 
 

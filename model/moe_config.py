@@ -1,7 +1,8 @@
 """config.json's mixture-of-experts fields, family by family, onto ModelConfig's."""
 from __future__ import annotations
 
-from model.config import ConfigError, MoeFamily
+from model.config import ConfigError
+from model.families import MoeFamily
 
 
 # config.json fields of mixtures of experts that change what the model computes and that we do

@@ -107,7 +107,8 @@ def grouped_matmul(kind: str, x, group_sizes, *packed, block: int = 0):
         group = q8_0_matmul_cpu.weight_group(packed[0].shape[1], packed[1].shape[-2])
         mp = packed[2] if len(packed) == 3 else None
         offsets = q8_0_matmul_cpu.flat_offsets(packed[1], mp)
-        return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, packed[0], packed[1], offsets,
+        return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, packed[0],
+                                      packed[1].reshape(-1), offsets,
                                       group=np.int64(group))
     return cpu_ffi.grouped_matmul(kernel, x, group_sizes, N, *operands)
 

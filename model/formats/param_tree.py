@@ -92,8 +92,8 @@ def dequantize_np(value) -> np.ndarray:
              + value.zero.astype(np.float32)[..., None, :])
         return w.reshape(*lead, k, n)
     if isinstance(value, Int8GroupArray):
-        def per_weight(a):
-            return np.repeat(a.astype(np.float32), value.group, axis=value.group_axis)
+        size, axis = value.values.shape[value.group_axis], value.group_axis
+        per_weight = lambda a: expand(a.astype(np.float32), value.group, size, axis)
         w = value.values.astype(np.float32) * per_weight(value.scale)
         return w if value.offset is None else w + per_weight(value.offset)
     if isinstance(value, QuantArray):
