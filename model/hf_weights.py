@@ -16,7 +16,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from model import latent_weights, linear_weights
+from model import latent_weights, linear_weights, mamba_weights
 from model.config import ModelConfig
 from model.transformer import abstract_params
 from model.vlm_text import text_tensor
@@ -67,6 +67,8 @@ HF_TABLE = [
     *latent_weights.TABLE,
     # Gated DeltaNet mixers (Qwen3-Next, Qwen3.5)
     *linear_weights.TABLE,
+    # Mamba2 mixers (Nemotron-H, its names made canonical first)
+    *mamba_weights.TABLE,
 ]
 # gpt-oss's gate and up projections interleaved on the last axis (gate first): tensor ->
 # (gate's path, up's path).
@@ -183,6 +185,8 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
     for f in files:
         for n in _keys(f):
             if (text := text_tensor(n)) is not None:
+                if cfg.blocks:
+                    text = mamba_weights.canonical(text)
                 stored[text] = n
                 names.append((f, text))
     bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False)
@@ -240,7 +244,7 @@ def _several(name: str, read, cfg: ModelConfig):
     if cfg.latent and latent_weights.KV_B.fullmatch(name):
         return latent_weights.split_kv_b(name, read(name), cfg)
     if cfg.mixers:
-        return linear_weights.split(name, read, cfg)
+        return linear_weights.split(name, read, cfg) or mamba_weights.split(name, read)
     return None
 
 

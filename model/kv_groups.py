@@ -36,10 +36,12 @@ def num_group_layers(cfg: ModelConfig) -> tuple[int, int]:
 def kv_layers(cfg: ModelConfig, split: bool) -> list[tuple[bool, int]]:
     """For each layer, (in the window cache?, its index in that cache). split: the cache
     has a window part; else every attention layer is in the one cache. A linear layer's
-    index is among the linear layers (its slot of the RecurrentState)."""
+    index is among the linear layers (its slot of the RecurrentState); a layer with no
+    mixer (an MLP block) keeps nothing, and its index means nothing."""
     out, count = [], {}
     for i, w in enumerate(layer_windows(cfg)):
-        group = ("linear" if cfg.mixer(i) != "attention" else
+        mixer = cfg.mixer(i)
+        group = ("none" if mixer == "none" else "linear" if mixer != "attention" else
                  "window" if split and w > 0 else "full")
         out.append((group == "window", count.get(group, 0)))
         count[group] = count.get(group, 0) + 1

@@ -52,6 +52,7 @@ class RMSNorm(nn.Module):
     # Gemma: the stored weight w scales by (1 + w), in float32 before the cast (a zero
     # weight is the identity).
     offset: bool = False
+    weight_f32: bool = False  # w times the normed row in float32, then the cast (Nemotron-H)
 
     @nn.compact
     def __call__(self, x):
@@ -62,18 +63,23 @@ class RMSNorm(nn.Module):
         x32 = rms_norm_cpu.normalize(x.astype(jnp.float32), self.eps)
         if self.offset:
             return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+        if self.weight_f32:
+            return (scale.astype(jnp.float32) * x32).astype(x.dtype)
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
 def norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
     """The family's RMSNorm."""
-    return RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.norm_offset, name=name)
+    return RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.norm_offset, cfg.norm_weight_f32,
+                   name=name)
 
 
 def activation(name: str):
     """ModelConfig.hidden_act -> the function the MLP's gate goes through."""
     if name == "gelu_tanh":
         return lambda x: nn.gelu(x, approximate=True)
+    if name == "relu2":  # squared ReLU (Nemotron-H)
+        return lambda x: jnp.square(nn.relu(x))
     return nn.silu
 
 
@@ -93,11 +99,14 @@ class MLP(nn.Module):
         cfg = self.cfg
         lin = lambda n, name: Linear(n, cfg.mlp_bias, cfg.dtype, name=name)
         n = self.intermediate_size or cfg.intermediate_size
+        act = activation(cfg.hidden_act)
+        if not cfg.mlp_gated:  # act(up), no gate
+            return reduce_shards(lin(cfg.hidden_size, "down_proj")(act(lin(n, "up_proj")(x))),
+                                 self.axis)
         if self.has_variable("params", "gate_up_proj"):  # joined by prepare_params
             gate, up = jnp.split(lin(2 * n, "gate_up_proj")(x), 2, axis=-1)
         else:
             gate, up = lin(n, "gate_proj")(x), lin(n, "up_proj")(x)
-        act = activation(cfg.hidden_act)
         return reduce_shards(lin(cfg.hidden_size, "down_proj")(act(gate) * up), self.axis)
 
 

@@ -21,6 +21,7 @@ from model.kv_cache import KVCache, write_kv
 from model.kv_groups import kv_layers, layer_windows
 from model.latent_attention import LatentAttention
 from model.linear_attention.gated_deltanet import GatedDeltaNet
+from model.linear_attention.mamba2 import Mamba2
 from model.linear_attention.state import RecurrentState
 from model.moe import MoE
 from model.runtime_params import prepare_params
@@ -61,9 +62,10 @@ class Attention(nn.Module):
             q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if cfg.clip_qkv:
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
-        inv_freq, factor = rope_inv_freq(cfg, layer), rope_attention_factor(cfg, layer)
-        q = apply_rope(q, batch.positions, inv_freq, factor)
-        k = apply_rope(k, batch.positions, inv_freq, factor)
+        if cfg.use_rope:
+            inv_freq, factor = rope_inv_freq(cfg, layer), rope_attention_factor(cfg, layer)
+            q = apply_rope(q, batch.positions, inv_freq, factor)
+            k = apply_rope(k, batch.positions, inv_freq, factor)
         cache = write_kv(cache, kv_layer, k, v, batch.slot_mapping)
         sinks = None
         if cfg.attn_sinks:  # gpt-oss: one learned logit per query head
@@ -89,12 +91,20 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         h = norm(cfg, "input_norm")(x)
         kv_layer = layer if kv_layer is None else kv_layer
-        if cfg.mixer(layer) == "gdn":  # `cache` is then the linear layers' RecurrentState
+        mixer = cfg.mixer(layer)
+        # A linear mixer's `cache` is the linear layers' RecurrentState.
+        if mixer == "gdn":
             h, cache = GatedDeltaNet(cfg, name="linear_attn")(h, cache, kv_layer, batch)
+        elif mixer == "mamba2":
+            h, cache = Mamba2(cfg, name="mamba")(h, cache, kv_layer, batch)
+        elif mixer == "none":  # a block with an MLP alone (Nemotron-H)
+            h = MLP(cfg, self.axis, name="mlp")(h)
         else:
             kind = LatentAttention if cfg.latent else Attention
             attn = kind(cfg, self.backend, self.axis, name="attn")
             h, cache = attn(h, cache, layer, window, batch, kv_layer)
+        if cfg.blocks:  # one block a layer: its output joins the residual, no MLP follows
+            return x + h, cache
         if cfg.sandwich_norms:
             # Gemma: config.json's post_attention_layernorm norms the attention's output, a
             # pre_feedforward norm feeds the MLP and a post_feedforward norm its output.

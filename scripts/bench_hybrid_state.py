@@ -41,8 +41,14 @@ QWEN3_NEXT_80B = dict(
     linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512,
     num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
     norm_topk_prob=True, max_position_embeddings=262144, dtype="bfloat16")
+NEMOTRON_H_8B = dict(  # 24 Mamba2, 4 attention and 24 MLP blocks, interleaved
+    architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=4096,
+    intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    hybrid_override_pattern=("M-" * 5 + "M*-") * 4, mamba_num_heads=128,
+    mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=256,
+    layer_norm_epsilon=1e-5, max_position_embeddings=8192, dtype="bfloat16")
 MODELS = {"Qwen3.5-9B": QWEN3_5_9B, "Qwen3-8B (dense)": QWEN3_8B,
-          "Qwen3-Next-80B-A3B": QWEN3_NEXT_80B}
+          "Qwen3-Next-80B-A3B": QWEN3_NEXT_80B, "Nemotron-H-8B": NEMOTRON_H_8B}
 
 
 def weight_bytes(cfg) -> int:

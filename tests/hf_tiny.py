@@ -5,6 +5,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 LINEAR_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+MAMBA_FAMILIES = ("nemotron_h",)
 
 
 def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -34,6 +35,8 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
         cfg, cls = _tiny_gemma_config(family)
     elif family in LINEAR_FAMILIES:
         cfg, cls = _tiny_linear_config(family)
+    elif family in MAMBA_FAMILIES:
+        cfg, cls = _tiny_mamba_config(family)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -45,8 +48,8 @@ def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.3)
-    if family in LINEAR_FAMILIES:
-        _perturb_linear(model)
+    if family in LINEAR_FAMILIES or family in MAMBA_FAMILIES:
+        _perturb_linear(model, centred=family in LINEAR_FAMILIES)
     if getattr(model.config, "attention_bias", False) or family in ("qwen2", "qwen2_moe"):
         with torch.no_grad():  # random biases so a dropped bias shows up
             for name, p in model.named_parameters():
@@ -134,6 +137,20 @@ def _tiny_linear_config(family: str):
     return tf.Qwen3_5MoeTextConfig(**common, **moe), tf.Qwen3_5MoeForCausalLM
 
 
+def _tiny_mamba_config(family: str):
+    """Nemotron-H with every kind of dense block: Mamba2 in blocks 0, 3 and 5, NoPE
+    attention in block 2, squared-ReLU MLPs in blocks 1 and 4; 8 Mamba heads in 2 groups."""
+    import transformers as tf
+    return (tf.NemotronHConfig(
+        vocab_size=211, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, ssm_state_size=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, chunk_size=8, conv_kernel=4,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention",
+                           "mlp", "linear_attention"], attn_implementation="eager"),
+            tf.NemotronHForCausalLM)
+
+
 def tiny_qwen3_5_vlm(out_dir: Path, seed: int = 0):
     """A Qwen3_5ForConditionalGeneration checkpoint (what Qwen/Qwen3.5-* ship): the
     qwen3_5 text model above under `model.language_model.`, beside a one-block vision
@@ -152,18 +169,22 @@ def tiny_qwen3_5_vlm(out_dir: Path, seed: int = 0):
     return model
 
 
-def _perturb_linear(model) -> None:
+def _perturb_linear(model, centred: bool = True) -> None:
     """Zero-centred norms start at w = 0 and the gates at their symmetric init: random
-    values so each is read (dt_bias and A_log as real checkpoints spread them)."""
+    values so each is read (dt_bias and A_log as real checkpoints spread them). centred:
+    the model's norms scale by (1 + w) (Qwen's, not its Gated DeltaNet's own); else every
+    norm's weight is drawn around 1."""
     import torch
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(0 if "linear_attn" not in name else 1, 0.3)
+                p.normal_(0 if centred and "linear_attn" not in name else 1, 0.3)
             elif name.endswith("dt_bias"):
                 p.uniform_(-1.0, 1.0)
             elif name.endswith("A_log"):
                 p.uniform_(-2.0, 1.0)
+            elif name.endswith(".D") or name.endswith("conv1d.bias"):
+                p.normal_(0, 0.5)
 
 
 def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:

@@ -28,7 +28,7 @@ from model.config import ModelConfig
 from model.layers import Linear, init
 from model.linear_attention.delta_rule import gated_delta_rule
 from model.linear_attention.short_conv import causal_conv
-from model.linear_attention.state import RecurrentState
+from model.linear_attention.state import RecurrentState, read_rows, write_rows
 from model.linear_config import conv_channels
 from pallas_kernels import rms_norm_cpu
 
@@ -72,12 +72,7 @@ class GatedDeltaNet(nn.Module):
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), dtype)
         norm_w = self.param("norm_weight", nn.initializers.ones, (dv,), dtype)
 
-        slots = batch.state_slots
-        first = batch.positions[jnp.minimum(batch.query_start[:-1], T - 1)]
-        fresh = first == 0  # rows starting their request this step: a zero state
-        conv0 = jnp.where(fresh[:, None, None], 0, state.conv[layer, slots])
-        ssm0 = jnp.where(fresh[:, None, None, None], 0,
-                         state.ssm[layer, slots].astype(jnp.float32))
+        conv0, ssm0 = read_rows(state, layer, batch)
 
         mixed_qkv, conv1 = causal_conv(qkv, conv_w, None, conv0, batch.query_start,
                                        batch.req_indices)
@@ -94,10 +89,7 @@ class GatedDeltaNet(nn.Module):
                                       batch.req_indices, batch.positions, chunked=CHUNKED)
         out = gated_norm(core.astype(dtype), z.reshape(T, hv, dv), norm_w, cfg.rms_norm_eps)
         out = Linear(cfg.hidden_size, False, dtype, name="out_proj")(out.reshape(T, value_dim))
-        state = RecurrentState(
-            state.conv.at[layer, slots].set(conv1.astype(state.conv.dtype)),
-            state.ssm.at[layer, slots].set(ssm1.astype(state.ssm.dtype)))
-        return out, state
+        return out, write_rows(state, layer, batch, conv1, ssm1)
 
 
 def gated_norm(x, z, weight, eps: float):

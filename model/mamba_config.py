@@ -1,0 +1,83 @@
+"""config.json's Mamba2 fields (Nemotron-H) onto ModelConfig's.
+
+Nemotron-H lists one block per layer in `layers_block_type` ("linear_attention": a Mamba2
+mixer, model/linear_attention/mamba2.py; "full_attention"; "mlp": an MLP alone; "moe"), or
+in the older `hybrid_override_pattern` string (M, *, -, E), and takes its layer count from
+that list. `nemotron_hf` renames its fields to the ones model/config.py reads.
+"""
+from __future__ import annotations
+
+import math
+
+from model.config import DTYPES, ConfigError
+
+_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
+MIXERS = {"linear_attention": "mamba2", "full_attention": "attention", "mlp": "none"}
+
+
+def block_types(hf: dict) -> list[str]:
+    types = hf.get("layers_block_type") or hf.get("layer_types")
+    if not types:
+        pattern = hf.get("hybrid_override_pattern")
+        if not pattern:
+            raise ConfigError("a Nemotron-H config.json names its blocks in layers_block_type "
+                              "or hybrid_override_pattern; it has neither")
+        unknown = sorted(set(pattern) - set(_PATTERN))
+        if unknown:
+            raise ConfigError(f"unsupported hybrid_override_pattern characters {unknown}; "
+                              "supported: " + ", ".join(_PATTERN))
+        types = [_PATTERN[c] for c in pattern]
+    return [_LEGACY.get(t, t) for t in types]
+
+
+def nemotron_hf(hf: dict) -> dict:
+    """Nemotron-H's names -> the common ones: the layer count from the block list, the
+    norms' epsilon, the MLP's activation."""
+    types = block_types(hf)
+    return {**hf, "num_hidden_layers": len(types), "layers_block_type": types,
+            "rms_norm_eps": hf["layer_norm_epsilon"], "hidden_act": hf["mlp_hidden_act"]}
+
+
+def _number(v) -> float:
+    """A float as config.json may write it: a number, "inf", or transformers'
+    {"__float__": "Infinity"}."""
+    if isinstance(v, dict):
+        v = v.get("__float__")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"unreadable number {v!r} in time_step_limit") from None
+
+
+def mamba_fields(hf: dict, num_layers: int) -> dict:
+    types = hf["layers_block_type"]
+    if len(types) != num_layers:
+        raise ConfigError(f"layers_block_type names {len(types)} layers, the model has "
+                          f"{num_layers}")
+    if "moe" in types:
+        raise ConfigError("unsupported layers_block_type 'moe': Nemotron-H's mixture-of-"
+                          "experts blocks are not served yet (its dense models are)")
+    unknown = sorted(set(types) - set(MIXERS))
+    if unknown:
+        raise ConfigError(f"unsupported layers_block_type {unknown}; supported: "
+                          + ", ".join(MIXERS))
+    heads, groups = int(hf["mamba_num_heads"]), int(hf["n_groups"])
+    if heads % groups:
+        raise ConfigError(f"mamba_num_heads={heads} is not a multiple of n_groups={groups}")
+    if hf.get("mamba_hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported mamba_hidden_act={hf['mamba_hidden_act']!r} "
+                          "(supported: 'silu')")
+    kernel = int(hf["conv_kernel"])
+    if kernel < 2:
+        raise ConfigError(f"unsupported conv_kernel={kernel} (at least 2)")
+    low, high = (_number(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+    state_dtype = hf.get("mamba_ssm_cache_dtype") or "float32"
+    if state_dtype not in DTYPES:
+        raise ConfigError(f"unsupported mamba_ssm_cache_dtype={state_dtype!r}; choose one of "
+                          + ", ".join(DTYPES))
+    return dict(mixers=tuple(MIXERS[t] for t in types), ssm_heads=heads,
+                ssm_head_dim=int(hf["mamba_head_dim"]), ssm_state_size=int(hf["ssm_state_size"]),
+                ssm_groups=groups, ssm_chunk=int(hf["chunk_size"]), linear_conv_kernel=kernel,
+                ssm_conv_bias=bool(hf["use_conv_bias"]), ssm_proj_bias=bool(hf.get("use_bias")),
+                ssm_dt_limit=(low, high), ssm_state_dtype=state_dtype)

@@ -1,0 +1,101 @@
+"""Mamba2 hybrids (Nemotron-H) against transformers: the block list in each form config.json
+writes it, logits over the paged cache and the recurrent state (one step, and a prefill
+split over steps), greedy tokens through the engine with chunked prefill, default buckets
+and preemption, batched equal to alone, the state slots all given back, and conversion."""
+import json
+
+import numpy as np
+import pytest
+
+from model.config import ConfigError, ModelConfig
+from quant.array import QuantArray
+from serving import LLM
+from tests.hf_tiny import MAMBA_FAMILIES, tiny_hf_model
+from tests.hybrid_checks import (ENGINE, check_batched_equals_alone, check_conversion,
+                                 check_greedy, check_logits)
+
+BLOCKS = ["linear_attention", "mlp", "full_attention", "linear_attention", "mlp",
+          "linear_attention"]
+
+
+@pytest.fixture(scope="module", params=MAMBA_FAMILIES)
+def family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, tiny_hf_model(request.param, folder), folder
+
+
+@pytest.fixture(scope="module")
+def llm(family):
+    return LLM(str(family[2]), **ENGINE)
+
+
+def _hf(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_config_reads_the_block_list(family):
+    name, model, folder = family
+    hf = _hf(folder)
+    assert "num_hidden_layers" not in hf  # the block list gives the count
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.mixers == ("mamba2", "none", "attention", "mamba2", "none", "mamba2")
+    assert (cfg.num_layers, cfg.num_kv_layers, cfg.num_linear_layers) == (6, 1, 3)
+    assert cfg.blocks and not cfg.mlp_gated and not cfg.use_rope and cfg.norm_weight_f32
+    assert cfg.hidden_act == "relu2" and cfg.rms_norm_eps == 1e-5
+    assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_groups,
+            cfg.ssm_chunk, cfg.linear_conv_kernel) == (8, 16, 16, 2, 8, 4)
+    assert cfg.ssm_conv_bias and not cfg.ssm_proj_bias and cfg.ssm_dt_limit == (0, np.inf)
+    # the older forms: the pattern string, and the legacy block names
+    del hf["layers_block_type"]
+    assert ModelConfig.from_hf({**hf, "hybrid_override_pattern": "M-*M-M"}) == cfg
+    legacy = [{"linear_attention": "mamba", "full_attention": "attention"}.get(t, t)
+              for t in BLOCKS]
+    assert ModelConfig.from_hf({**hf, "layers_block_type": legacy}) == cfg
+    assert ModelConfig.from_hf({**hf, "layers_block_type": BLOCKS,
+                                "time_step_limit": [0.0, 8.0]}).ssm_dt_limit == (0.0, 8.0)
+
+
+def test_refusals(family):
+    name, model, folder = family
+    hf = {**_hf(folder), "layers_block_type": BLOCKS}
+    with pytest.raises(ConfigError, match="'moe'"):
+        ModelConfig.from_hf({**hf, "layers_block_type": BLOCKS[:-1] + ["moe"]})
+    with pytest.raises(ConfigError, match="hybrid_override_pattern characters"):
+        ModelConfig.from_hf({**{k: v for k, v in hf.items() if k != "layers_block_type"},
+                             "hybrid_override_pattern": "M-*X"})
+    with pytest.raises(ConfigError, match="n_groups"):
+        ModelConfig.from_hf({**hf, "n_groups": 3})
+    with pytest.raises(ConfigError, match="mamba_hidden_act"):
+        ModelConfig.from_hf({**hf, "mamba_hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(str(folder), **ENGINE, speculative_config={"method": "ngram",
+                                                       "num_speculative_tokens": 2,
+                                                       "prompt_lookup_max": 2})
+
+
+@pytest.mark.jax_cache
+def test_logits_match_transformers(family):
+    """One step, then split at 5 (fewer new tokens than the conv's window in a row) and at
+    100."""
+    name, model, folder = family
+    check_logits(name, model, folder, cuts=(5, 100))
+
+
+def test_greedy_tokens_match_transformers(family, llm):
+    check_greedy(family[1], llm)
+
+
+def test_batched_equals_alone(family, llm):
+    check_batched_equals_alone(llm)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_converted_checkpoint_loads_the_same(family, tmp_path, quantize):
+    """Quantized, the projections are int8 and the conv, gates and norms stay float."""
+    direct = check_conversion(family[2], tmp_path / "ckpt", quantize)
+    is_q = lambda a: isinstance(a, QuantArray)
+    mixer = direct["layers"][0]["mamba"]
+    assert is_q(mixer["in_proj"]["kernel"]) == (quantize == "int8")
+    assert is_q(direct["layers"][1]["mlp"]["up_proj"]["kernel"]) == (quantize == "int8")
+    assert not any(is_q(mixer[k]) for k in ("conv_weight", "conv_bias", "dt_bias", "A_log", "D",
+                                             "norm_weight"))
