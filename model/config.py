@@ -249,6 +249,9 @@ class ModelConfig:
         from model.mamba_config import mamba_fields
         linear = ({"gdn": linear_fields, "mamba2": mamba_fields}[family.linear](hf, num_layers)
                   if family.linear else {})
+        if linear and "attention" not in linear["mixers"]:
+            raise ConfigError("unsupported config: no attention layer (a model of linear "
+                              "layers alone keeps no KV pages, which the engine sizes by)")
         if hf.get("use_bidirectional_attention"):
             raise ConfigError("unsupported config: use_bidirectional_attention=true (an "
                               "encoder; we serve causal decoders)")

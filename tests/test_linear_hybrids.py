@@ -74,6 +74,8 @@ def test_refusals(family, tmp_path):
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_hf({**hf, "layer_types": ["linear_attention", "mamba"] * 2
                              + ["full_attention"]})
+    with pytest.raises(ConfigError, match="no attention layer"):
+        ModelConfig.from_hf({**hf, "layer_types": ["linear_attention"] * 5})
     with pytest.raises(ConfigError, match="linear_num_value_heads"):
         ModelConfig.from_hf({**hf, "linear_num_value_heads": 3})
 

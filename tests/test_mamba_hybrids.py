@@ -60,6 +60,9 @@ def test_refusals(family):
     hf = {**_hf(folder), "layers_block_type": BLOCKS}
     with pytest.raises(ConfigError, match="'moe'"):
         ModelConfig.from_hf({**hf, "layers_block_type": BLOCKS[:-1] + ["moe"]})
+    with pytest.raises(ConfigError, match="no attention layer"):
+        ModelConfig.from_hf({**{k: v for k, v in hf.items() if k != "layers_block_type"},
+                             "hybrid_override_pattern": "M-M"})
     with pytest.raises(ConfigError, match="hybrid_override_pattern characters"):
         ModelConfig.from_hf({**{k: v for k, v in hf.items() if k != "layers_block_type"},
                              "hybrid_override_pattern": "M-*X"})
