@@ -88,6 +88,11 @@ class ModelConfig:
     mlp_gated: bool = True  # act(gate) * up; else act(up) (Nemotron-H)
     use_rope: bool = True  # else attention sees no positions but the causal mask (NoPE)
     norm_weight_f32: bool = False  # RMSNorm multiplies its weight in float32, then casts
+    # Granite's multipliers (1: none): the embeddings', each block output's before the
+    # residual add, and the logits' divisor.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     linear_key_heads: int = 0
     linear_value_heads: int = 0
     linear_key_dim: int = 0
@@ -225,8 +230,8 @@ class ModelConfig:
         family = FAMILIES[arch]
         hf = {**dict(family.defaults), **hf}
         if family.linear == "mamba2":
-            from model.mamba_config import nemotron_hf
-            hf = nemotron_hf(hf)
+            from model.mamba_config import granite_hf, nemotron_hf
+            hf = nemotron_hf(hf) if family.blocks else granite_hf(hf)
         if hf.get("index_topk") is not None:
             raise ConfigError(f"unsupported config: index_topk={hf['index_topk']!r} "
                               "(DeepSeek-V3.2's sparse-attention indexer is not served)")
@@ -282,7 +287,8 @@ class ModelConfig:
             norm_offset=family.gemma or family.norm_offset,
             sandwich_norms=family.gemma,
             scale_embed=family.gemma,
-            query_scale=(float(hf["query_pre_attn_scalar"]) ** -0.5
+            query_scale=(float(hf["attention_multiplier"]) if family.granite else
+                         float(hf["query_pre_attn_scalar"]) ** -0.5
                          if hf.get("query_pre_attn_scalar") else 0.0),
             attn_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
             attn_sinks=family.sinks,
@@ -292,8 +298,10 @@ class ModelConfig:
             attn_output_gate=family.gated_attention,
             blocks=family.blocks,
             mlp_gated=not family.blocks,
-            use_rope=not family.blocks,
+            use_rope=not family.blocks and (not family.granite
+                                            or hf.get("position_embedding_type") == "rope"),
             norm_weight_f32=family.blocks,
+            **(_granite_fields(hf) if family.granite else {}),
             **linear,
             **latent,
             **(moe_fields(hf, family.moe, num_layers) if family.moe else {}),
@@ -350,6 +358,12 @@ def _latent_fields(hf: dict, family: Family) -> dict:
                 q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
                 v_head_dim=int(hf["v_head_dim"]), query_scale=scale,
                 rope_interleaved=family.rope_interleaved or bool(hf.get("rope_interleave")))
+
+
+def _granite_fields(hf: dict) -> dict:
+    return dict(embedding_multiplier=float(hf["embedding_multiplier"]),
+                residual_multiplier=float(hf["residual_multiplier"]),
+                logits_scaling=float(hf["logits_scaling"]))
 
 
 def _hf_dtype(hf: dict) -> str:

@@ -18,9 +18,14 @@ class MoeFamily:
     shared_expert: bool  # Qwen2-MoE: a dense gated expert every token goes through too
     sparse_layers: bool  # decoder_sparse_step and mlp_only_layers pick the MoE layers
     # gpt-oss: the router and every expert projection carry biases, the k largest logits are
-    # picked first and softmaxed among themselves, and the gate is a clamped SwiGLU.
+    # picked first and softmaxed among themselves (Granite 4.0-H too), and the gate is a
+    # clamped SwiGLU.
     biases: bool = False
     topk_then_softmax: bool = False
+    clamped_swiglu: bool = False
+    # the shared expert's output times sigmoid(a gate of its own) (Qwen2-MoE); else added as
+    # it is (Granite 4.0-H's shared MLP; DeepSeek's shared experts)
+    shared_gate: bool = True
     # DeepSeek's routers (and GLM-4.5's): a shared expert of moe_intermediate_size *
     # n_shared_experts with no gate, the first first_k_dense_replace layers dense, and
     # "v2": softmax scores, topk_method greedy or group_limited_greedy (groups scored by
@@ -59,6 +64,10 @@ class Family:
     # an MLP alone) added to the residual; the MLP is ungated (up, the activation, down),
     # attention has no RoPE, and norms multiply their weight in float32.
     blocks: bool = False
+    # Granite: embeddings times embedding_multiplier, each block's output times
+    # residual_multiplier before the residual add, attention_multiplier the softmax scale,
+    # logits divided by logits_scaling, RoPE only where position_embedding_type is "rope".
+    granite: bool = False
     # The family's config class defaults for fields a config.json may leave out.
     defaults: tuple[tuple[str, object], ...] = ()
 
@@ -87,7 +96,8 @@ FAMILIES = {
         float32_weights=False, shared_expert=False, sparse_layers=False)),
     "GptOssForCausalLM": Family(sinks=True, moe=MoeFamily(
         "intermediate_size", always_renormalize=False, float32_weights=False,
-        shared_expert=False, sparse_layers=False, biases=True, topk_then_softmax=True),
+        shared_expert=False, sparse_layers=False, biases=True, topk_then_softmax=True,
+        clamped_swiglu=True),
         defaults=(("attention_bias", True), ("sliding_window", 128), ("rms_norm_eps", 1e-5),
                   ("num_experts_per_tok", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0),
                   ("rope_theta", 150000.0), ("max_position_embeddings", 131072))),
@@ -124,6 +134,16 @@ FAMILIES = {
         ("ssm_state_size", 128), ("mamba_num_heads", 128), ("mamba_head_dim", 64),
         ("n_groups", 8), ("conv_kernel", 4), ("chunk_size", 128), ("use_conv_bias", True),
         ("max_position_embeddings", 4096))),
+    "GraniteMoeHybridForCausalLM": Family(linear="mamba2", granite=True, moe=MoeFamily(
+        "intermediate_size", always_renormalize=False, float32_weights=False,
+        shared_expert=True, sparse_layers=False, topk_then_softmax=True, shared_gate=False),
+        defaults=(("mamba_n_heads", 128), ("mamba_n_groups", 1), ("mamba_d_state", 256),
+                  ("mamba_d_head", "auto"), ("mamba_d_conv", 4), ("mamba_expand", 2),
+                  ("mamba_chunk_size", 256), ("mamba_conv_bias", True),
+                  ("mamba_proj_bias", False), ("num_local_experts", 8),
+                  ("num_experts_per_tok", 2), ("shared_intermediate_size", 1024),
+                  ("embedding_multiplier", 1.0), ("logits_scaling", 1.0),
+                  ("residual_multiplier", 1.0), ("attention_multiplier", 1.0))),
     "Qwen3_5MoeForCausalLM": Family(**_QWEN_LINEAR, moe=MoeFamily(
         "moe_intermediate_size", always_renormalize=True, float32_weights=False,
         shared_expert=True, sparse_layers=False)),

@@ -26,7 +26,8 @@ def greedy_tokens(params, cfg: ModelConfig, vocab_size: int, axis: str | None = 
     `vocab_size` logits, or None where the head has no fused kernel."""
     params = prepare_params(params)
     head = params.get("lm_head", {}).get("kernel")
-    if (axis is not None or cfg.final_soft_cap or cfg.dtype != "float32"
+    if (axis is not None or cfg.final_soft_cap or cfg.logits_scaling != 1.0
+            or cfg.dtype != "float32"
             or not isinstance(head, PackedDense) or not argmax_available()):
         return None
 

@@ -244,7 +244,7 @@ def _several(name: str, read, cfg: ModelConfig):
     if cfg.latent and latent_weights.KV_B.fullmatch(name):
         return latent_weights.split_kv_b(name, read(name), cfg)
     if cfg.mixers:
-        return linear_weights.split(name, read, cfg) or mamba_weights.split(name, read)
+        return linear_weights.split(name, read, cfg) or mamba_weights.split(name, read, cfg)
     return None
 
 

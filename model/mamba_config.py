@@ -1,9 +1,12 @@
-"""config.json's Mamba2 fields (Nemotron-H) onto ModelConfig's.
+"""config.json's Mamba2 fields (Nemotron-H, Granite 4.0-H) onto ModelConfig's.
 
 Nemotron-H lists one block per layer in `layers_block_type` ("linear_attention": a Mamba2
 mixer, model/linear_attention/mamba2.py; "full_attention"; "mlp": an MLP alone; "moe"), or
 in the older `hybrid_override_pattern` string (M, *, -, E), and takes its layer count from
-that list. `nemotron_hf` renames its fields to the ones model/config.py reads.
+that list. Granite 4.0-H names each layer's mixer in `layer_types` ("mamba" / "attention"
+in older files); every layer also has its MLP: routed experts beside a shared MLP, or the
+shared MLP alone where num_local_experts is 0. `nemotron_hf` and `granite_hf` rename each
+family's fields to the ones model/config.py and `mamba_fields` read.
 """
 from __future__ import annotations
 
@@ -39,6 +42,33 @@ def nemotron_hf(hf: dict) -> dict:
             "rms_norm_eps": hf["layer_norm_epsilon"], "hidden_act": hf["mlp_hidden_act"]}
 
 
+def granite_hf(hf: dict) -> dict:
+    """Granite 4.0-H's names -> Nemotron-H's (the Mamba2 fields) and the common ones: the
+    shared MLP is the MoE's ungated shared expert, or the dense MLP where there are no
+    experts."""
+    hidden, heads = int(hf["hidden_size"]), int(hf["mamba_n_heads"])
+    inner = int(hf["mamba_expand"]) * hidden
+    head_dim = hf["mamba_d_head"]
+    head_dim = inner // heads if head_dim == "auto" else int(head_dim)
+    if head_dim * heads != inner:
+        raise ConfigError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} is not "
+                          f"mamba_expand x hidden_size = {inner}")
+    types = hf.get("layer_types") or ["linear_attention"] * int(hf["num_hidden_layers"])
+    types = [_LEGACY.get(t, t) for t in types]
+    if set(types) - {"linear_attention", "full_attention"}:
+        raise ConfigError(f"unsupported layer_types {sorted(set(types))}; supported: "
+                          "mamba, attention (linear_attention, full_attention)")
+    experts = int(hf.get("num_local_experts") or 0)
+    shared = int(hf["shared_intermediate_size"])
+    return {**hf, "layers_block_type": types, "mamba_num_heads": heads,
+            "mamba_head_dim": head_dim, "ssm_state_size": hf["mamba_d_state"],
+            "n_groups": hf["mamba_n_groups"], "conv_kernel": hf["mamba_d_conv"],
+            "chunk_size": hf["mamba_chunk_size"], "use_conv_bias": hf["mamba_conv_bias"],
+            "use_bias": hf["mamba_proj_bias"],
+            **({"shared_expert_intermediate_size": shared} if experts
+               else {"intermediate_size": shared})}
+
+
 def _number(v) -> float:
     """A float as config.json may write it: a number, "inf", or transformers'
     {"__float__": "Infinity"}."""
@@ -55,6 +85,9 @@ def mamba_fields(hf: dict, num_layers: int) -> dict:
     if len(types) != num_layers:
         raise ConfigError(f"layers_block_type names {len(types)} layers, the model has "
                           f"{num_layers}")
+    if "mlp" in types and hf.get("architectures", [""])[0] != "NemotronHForCausalLM":
+        raise ConfigError("a layer of MLP alone is Nemotron-H's; this model's layer_types "
+                          "name only mixers")
     if "moe" in types:
         raise ConfigError("unsupported layers_block_type 'moe': Nemotron-H's mixture-of-"
                           "experts blocks are not served yet (its dense models are)")

@@ -1,8 +1,10 @@
-"""Nemotron-H's tensors as our decoder takes them: the checkpoint's names
-(`backbone.layers.N.mixer.*`, one mixer a block) renamed onto the common ones (attention's
-`self_attn.*`, the MLP's `mlp.*`, the block's norm as `input_layernorm`), and the Mamba2
-mixer's tensors onto model/linear_attention/mamba2.py's parameters, the conv's [C, 1, K]
-weight as [K, C]. Data for model/hf_weights.py."""
+"""Mamba2 hybrids' tensors as our decoder takes them. Nemotron-H's names
+(`backbone.layers.N.mixer.*`, one mixer a block) are renamed onto the common ones
+(attention's `self_attn.*`, the MLP's `mlp.*`, the block's norm as `input_layernorm`); the
+Mamba2 mixer's tensors (Nemotron-H's `mixer.*`, Granite 4.0-H's `mamba.*`) go onto
+model/linear_attention/mamba2.py's parameters, the conv's [C, 1, K] weight as [K, C].
+Granite's experts come fused (`input_linear`: every expert's gate rows then up rows) and its
+shared MLP likewise; they are cut apart here. Data for model/hf_weights.py."""
 from __future__ import annotations
 
 import re
@@ -10,14 +12,17 @@ import re
 import numpy as np
 
 _LAYER = r"model\.layers\.(\d+)\."
+_M = _LAYER + r"(?:mixer|mamba)\."
 _MIXER = ("layers", "mamba")
 # (HF name pattern, parameter path, transpose), as hf_weights.HF_TABLE, after `canonical`
 TABLE = [
-    (_LAYER + r"mixer\.(in|out)_proj\.weight", (*_MIXER, "{}_proj", "kernel"), True),
-    (_LAYER + r"mixer\.(in|out)_proj\.bias", (*_MIXER, "{}_proj", "bias"), False),
-    (_LAYER + r"mixer\.conv1d\.bias", (*_MIXER, "conv_bias"), False),
-    (_LAYER + r"mixer\.(dt_bias|A_log|D)", (*_MIXER, "{}"), False),
-    (_LAYER + r"mixer\.norm\.weight", (*_MIXER, "norm_weight"), False),
+    (_M + r"(in|out)_proj\.weight", (*_MIXER, "{}_proj", "kernel"), True),
+    (_M + r"(in|out)_proj\.bias", (*_MIXER, "{}_proj", "bias"), False),
+    (_M + r"conv1d\.bias", (*_MIXER, "conv_bias"), False),
+    (_M + r"(dt_bias|A_log|D)", (*_MIXER, "{}"), False),
+    (_M + r"norm\.weight", (*_MIXER, "norm_weight"), False),
+    (_LAYER + r"block_sparse_moe\.router\.layer\.weight", ("layers", "moe", "router", "kernel"),
+     True),
 ]
 _RENAMES = [
     (re.compile(r"^backbone\."), "model."),
@@ -27,7 +32,9 @@ _RENAMES = [
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.([qkvo]_proj\.)"), r"\1self_attn.\2"),
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.((up|down)_proj\.)"), r"\1mlp.\2"),
 ]
-_CONV = re.compile(_LAYER + r"mixer\.conv1d\.weight")
+_CONV = re.compile(_M + r"conv1d\.weight")
+_EXPERTS = re.compile(_LAYER + r"block_sparse_moe\.(input|output)_linear\.weight")
+_SHARED = re.compile(_LAYER + r"shared_mlp\.(input|output)_linear\.weight")
 
 
 def canonical(name: str) -> str:
@@ -37,12 +44,38 @@ def canonical(name: str) -> str:
     return name
 
 
-def split(name: str, read):
-    """-> (layer, [(path, array, transpose)]) for the conv weight, or None for another
-    tensor. read: name -> the tensor."""
+def split(name: str, read, cfg):
+    """-> (layer, [(path, array, transpose)]) for the tensors that are not one parameter as
+    stored, or None for another tensor. read: name -> the tensor."""
     m = _CONV.fullmatch(name)
-    if m is None:
-        return None
-    w = np.asarray(read(name))
-    return int(m.group(1)), [((*_MIXER, "conv_weight"), w.reshape(w.shape[0], w.shape[-1]).T,
-                              False)]
+    if m is not None:
+        w = np.asarray(read(name))
+        return int(m.group(1)), [((*_MIXER, "conv_weight"),
+                                  w.reshape(w.shape[0], w.shape[-1]).T, False)]
+    for pattern, parts in ((_EXPERTS, _experts), (_SHARED, _shared)):
+        m = pattern.fullmatch(name)
+        if m is not None:
+            return int(m.group(1)), parts(m.group(2), np.asarray(read(name)), cfg)
+    return None
+
+
+def _experts(which: str, w, cfg):
+    """input_linear [E, 2I, H] -> gate and up [E, H, I]; output_linear [E, H, I] -> down
+    [E, I, H]."""
+    path = lambda p: ("layers", "moe", f"{p}_proj", "kernel")
+    if which == "output":
+        return [(path("down"), w.transpose(0, 2, 1), True)]
+    gate, up = np.split(w, 2, axis=1)
+    return [(path("gate"), gate.transpose(0, 2, 1), True),
+            (path("up"), up.transpose(0, 2, 1), True)]
+
+
+def _shared(which: str, w, cfg):
+    """The shared MLP: the MoE's shared expert, or the dense MLP where there are no experts;
+    input_linear [2S, H] is the gate's rows then up's."""
+    where = ("layers", "moe", "shared_expert") if cfg.num_experts else ("layers", "mlp")
+    if which == "output":
+        return [((*where, "down_proj", "kernel"), w.T, True)]
+    gate, up = np.split(w, 2, axis=0)
+    return [((*where, "gate_proj", "kernel"), gate.T, True),
+            ((*where, "up_proj", "kernel"), up.T, True)]

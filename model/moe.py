@@ -251,7 +251,7 @@ class MoE(nn.Module):
     def _shared(self, x):
         cfg = self.cfg
         shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
-        if cfg.moe_family.deepseek_router:  # DeepSeek's shared experts: added as they are
-            return shared
+        if cfg.moe_family.deepseek_router or not cfg.moe_family.shared_gate:
+            return shared  # DeepSeek's shared experts, Granite's shared MLP: added as they are
         gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)
         return nn.sigmoid(gate) * shared

@@ -39,7 +39,7 @@ def moe_fields(hf: dict, family: MoeFamily, num_layers: int) -> dict:
     if family.shared_expert and experts and not shared:
         raise ConfigError("unsupported mixture-of-experts config: "
                           "shared_expert_intermediate_size=0")
-    clamped = family.topk_then_softmax  # gpt-oss's gate
+    clamped = family.clamped_swiglu  # gpt-oss's gate
     return dict(swiglu_limit=float(hf["swiglu_limit"]) if clamped else 0.0,
                 swiglu_alpha=float(hf["swiglu_alpha"]) if clamped else 0.0,
                 num_experts=experts, num_experts_per_tok=k if experts else 0,

@@ -105,6 +105,8 @@ class DecoderLayer(nn.Module):
             h, cache = attn(h, cache, layer, window, batch, kv_layer)
         if cfg.blocks:  # one block a layer: its output joins the residual, no MLP follows
             return x + h, cache
+        if cfg.residual_multiplier != 1.0:  # Granite: each block's output scaled first
+            return self._scaled(x, h, layer), cache
         if cfg.sandwich_norms:
             # Gemma: config.json's post_attention_layernorm norms the attention's output, a
             # pre_feedforward norm feeds the MLP and a post_feedforward norm its output.
@@ -113,9 +115,27 @@ class DecoderLayer(nn.Module):
             return x + norm(cfg, "post_mlp_norm")(h), cache
         x = x + h
         h = norm(cfg, "post_norm")(x)
+        return x + self._mlp(h, layer), cache
+
+    def _mlp(self, h, layer: int):
+        cfg = self.cfg
         if cfg.is_moe(layer):
-            return x + MoE(cfg, self.axis, name="moe")(h), cache
-        return x + MLP(cfg, self.axis, name="mlp")(h), cache
+            return MoE(cfg, self.axis, name="moe")(h)
+        return MLP(cfg, self.axis, name="mlp")(h)
+
+    def _scaled(self, x, h, layer: int):
+        """x + m * mixer(x) then + m * MLP, m the residual multiplier (Granite), each
+        product rounded before its add (`rounded`)."""
+        m = jnp.asarray(self.cfg.residual_multiplier, self.cfg.dtype)
+        x = x + rounded(h * m)
+        return x + rounded(self._mlp(norm(self.cfg, "post_norm")(x), layer) * m)
+
+
+def rounded(product):
+    """A product rounded to its dtype before whatever adds it, as transformers computes it:
+    XLA:CPU may otherwise fuse the multiply into the add as one FMA, and whether it does can
+    depend on the step's shape (a row's last bits would then move with its batch)."""
+    return jax.lax.optimization_barrier(product)
 
 
 def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference",
@@ -147,6 +167,8 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
         x = embed_vocab_parallel(params["embed"], batch.input_ids, cfg.dtype, axis)
     if cfg.scale_embed:  # Gemma: the scale rounded to the dtype first, as transformers does
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, cfg.dtype)
+    if cfg.embedding_multiplier != 1.0:  # Granite
+        x = rounded(x * jnp.asarray(cfg.embedding_multiplier, cfg.dtype))
     layer = DecoderLayer(cfg, backend, axis)
     windows = layer_windows(cfg)
     routing = None
@@ -189,6 +211,8 @@ def compute_logits(params, hidden, cfg: ModelConfig, axis: str | None = None):
         logits = matmul(x, params["lm_head"]["kernel"])
     if axis is not None:
         logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :cfg.vocab_size]
+    if cfg.logits_scaling != 1.0:  # Granite
+        logits = logits / jnp.asarray(cfg.logits_scaling, logits.dtype)
     return soft_cap(logits, cfg.final_soft_cap).astype(jnp.float32)
 
 

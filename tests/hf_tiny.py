@@ -5,7 +5,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 LINEAR_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-MAMBA_FAMILIES = ("nemotron_h",)
+MAMBA_FAMILIES = ("nemotron_h", "granite_h", "granite_h_dense")
 
 
 def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -139,8 +139,24 @@ def _tiny_linear_config(family: str):
 
 def _tiny_mamba_config(family: str):
     """Nemotron-H with every kind of dense block: Mamba2 in blocks 0, 3 and 5, NoPE
-    attention in block 2, squared-ReLU MLPs in blocks 1 and 4; 8 Mamba heads in 2 groups."""
+    attention in block 2, squared-ReLU MLPs in blocks 1 and 4; 8 Mamba heads in 2 groups.
+    Granite 4.0-H: Mamba2 in layers 0, 1 and 3, attention in layer 2, every multiplier away
+    from 1; with 4 experts (2 a token) beside the shared MLP and NoPE (as Granite 4.0-H
+    ships), or dense (the shared MLP alone) with RoPE."""
     import transformers as tf
+    if family.startswith("granite"):
+        dense = family == "granite_h_dense"
+        return (tf.GraniteMoeHybridConfig(
+            vocab_size=211, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+            num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"],
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=2, mamba_n_heads=8, mamba_d_head=16,
+            mamba_d_state=16, mamba_chunk_size=8, mamba_n_groups=2,
+            num_local_experts=0 if dense else 4, num_experts_per_tok=2,
+            position_embedding_type="rope" if dense else None, embedding_multiplier=3.0,
+            residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
+            attn_implementation="eager", experts_implementation="eager",
+            initializer_range=0.1), tf.GraniteMoeHybridForCausalLM)
     return (tf.NemotronHConfig(
         vocab_size=211, hidden_size=64, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1,

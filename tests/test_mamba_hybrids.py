@@ -1,5 +1,6 @@
-"""Mamba2 hybrids (Nemotron-H) against transformers: the block list in each form config.json
-writes it, logits over the paged cache and the recurrent state (one step, and a prefill
+"""Mamba2 hybrids (Nemotron-H, Granite 4.0-H with experts and dense) against transformers:
+the config fields each family reads (Nemotron-H's block list in each form config.json writes
+it), logits over the paged cache and the recurrent state (one step, and a prefill
 split over steps), greedy tokens through the engine with chunked prefill, default buckets
 and preemption, batched equal to alone, the state slots all given back, and conversion."""
 import json
@@ -33,18 +34,30 @@ def _hf(folder) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-def test_config_reads_the_block_list(family):
+def test_config_reads_each_family(family):
     name, model, folder = family
     hf = _hf(folder)
-    assert "num_hidden_layers" not in hf  # the block list gives the count
     cfg = ModelConfig.from_hf(hf)
+    assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_groups,
+            cfg.ssm_chunk, cfg.linear_conv_kernel) == (8, 16, 16, 2, 8, 4)
+    assert cfg.ssm_conv_bias and not cfg.ssm_proj_bias and cfg.ssm_dt_limit == (0, np.inf)
+    if name.startswith("granite"):
+        assert cfg.mixers == ("mamba2", "mamba2", "attention", "mamba2")
+        assert (cfg.num_kv_layers, cfg.num_linear_layers) == (1, 3) and not cfg.blocks
+        assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling,
+                cfg.attn_scale) == (3.0, 0.5, 4.0, 0.2)
+        if name == "granite_h":
+            assert not cfg.use_rope and cfg.moe_layers == (True,) * 4
+            assert (cfg.num_experts, cfg.moe_intermediate_size,
+                    cfg.shared_expert_intermediate_size) == (4, 32, 48)
+        else:  # the shared MLP is the MLP
+            assert cfg.use_rope and not cfg.num_experts and cfg.intermediate_size == 48
+        return
+    assert "num_hidden_layers" not in hf  # the block list gives the count
     assert cfg.mixers == ("mamba2", "none", "attention", "mamba2", "none", "mamba2")
     assert (cfg.num_layers, cfg.num_kv_layers, cfg.num_linear_layers) == (6, 1, 3)
     assert cfg.blocks and not cfg.mlp_gated and not cfg.use_rope and cfg.norm_weight_f32
     assert cfg.hidden_act == "relu2" and cfg.rms_norm_eps == 1e-5
-    assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_groups,
-            cfg.ssm_chunk, cfg.linear_conv_kernel) == (8, 16, 16, 2, 8, 4)
-    assert cfg.ssm_conv_bias and not cfg.ssm_proj_bias and cfg.ssm_dt_limit == (0, np.inf)
     # the older forms: the pattern string, and the legacy block names
     del hf["layers_block_type"]
     assert ModelConfig.from_hf({**hf, "hybrid_override_pattern": "M-*M-M"}) == cfg
@@ -57,7 +70,22 @@ def test_config_reads_the_block_list(family):
 
 def test_refusals(family):
     name, model, folder = family
-    hf = {**_hf(folder), "layers_block_type": BLOCKS}
+    hf = _hf(folder)
+    with pytest.raises(ConfigError, match="n_groups"):
+        ModelConfig.from_hf({**hf, "n_groups": 3, "mamba_n_groups": 3})
+    with pytest.raises(ConfigError, match="mamba_hidden_act"):
+        ModelConfig.from_hf({**hf, "mamba_hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(str(folder), **ENGINE, speculative_config={"method": "ngram",
+                                                       "num_speculative_tokens": 2,
+                                                       "prompt_lookup_max": 2})
+    if name.startswith("granite"):
+        with pytest.raises(ConfigError, match="mamba_d_head"):
+            ModelConfig.from_hf({**hf, "mamba_d_head": 12})
+        with pytest.raises(ConfigError, match="layer_types"):
+            ModelConfig.from_hf({**hf, "layer_types": ["mamba", "mlp", "attention", "mamba"]})
+        return
+    hf = {**hf, "layers_block_type": BLOCKS}
     with pytest.raises(ConfigError, match="'moe'"):
         ModelConfig.from_hf({**hf, "layers_block_type": BLOCKS[:-1] + ["moe"]})
     with pytest.raises(ConfigError, match="no attention layer"):
@@ -66,14 +94,6 @@ def test_refusals(family):
     with pytest.raises(ConfigError, match="hybrid_override_pattern characters"):
         ModelConfig.from_hf({**{k: v for k, v in hf.items() if k != "layers_block_type"},
                              "hybrid_override_pattern": "M-*X"})
-    with pytest.raises(ConfigError, match="n_groups"):
-        ModelConfig.from_hf({**hf, "n_groups": 3})
-    with pytest.raises(ConfigError, match="mamba_hidden_act"):
-        ModelConfig.from_hf({**hf, "mamba_hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="speculative"):
-        LLM(str(folder), **ENGINE, speculative_config={"method": "ngram",
-                                                       "num_speculative_tokens": 2,
-                                                       "prompt_lookup_max": 2})
 
 
 @pytest.mark.jax_cache
@@ -99,6 +119,8 @@ def test_converted_checkpoint_loads_the_same(family, tmp_path, quantize):
     is_q = lambda a: isinstance(a, QuantArray)
     mixer = direct["layers"][0]["mamba"]
     assert is_q(mixer["in_proj"]["kernel"]) == (quantize == "int8")
-    assert is_q(direct["layers"][1]["mlp"]["up_proj"]["kernel"]) == (quantize == "int8")
+    mlp = direct["layers"][1]
+    mlp = mlp["moe"]["shared_expert"] if "moe" in mlp else mlp["mlp"]
+    assert is_q(mlp["up_proj"]["kernel"]) == (quantize == "int8")
     assert not any(is_q(mixer[k]) for k in ("conv_weight", "conv_bias", "dt_bias", "A_log", "D",
                                              "norm_weight"))
