@@ -146,6 +146,9 @@ class ModelConfig:
     router_topk_groups: int = 1
     router_group_top2: bool = False
     routed_scaling_factor: float = 1.0
+    # Nemotron-H's latent experts: tokens projected to this width before the experts and
+    # back after their weighted sum (0: the experts take the hidden size).
+    moe_latent_size: int = 0
 
     @property
     def latent(self) -> bool:
@@ -226,7 +229,6 @@ class ModelConfig:
         if arch not in FAMILIES:
             raise ConfigError(f"unsupported architecture {arch!r}; supported: "
                               + ", ".join(FAMILIES))
-        from model.moe_config import moe_fields
         family = FAMILIES[arch]
         hf = {**dict(family.defaults), **hf}
         if family.linear == "mamba2":
@@ -304,7 +306,7 @@ class ModelConfig:
             **(_granite_fields(hf) if family.granite else {}),
             **linear,
             **latent,
-            **(moe_fields(hf, family.moe, num_layers) if family.moe else {}),
+            **(_moe(hf, family, num_layers) if family.moe else {}),
         )
         return cfg.with_dtype(dtype or _hf_dtype(hf))
 
@@ -358,6 +360,17 @@ def _latent_fields(hf: dict, family: Family) -> dict:
                 q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
                 v_head_dim=int(hf["v_head_dim"]), query_scale=scale,
                 rope_interleaved=family.rope_interleaved or bool(hf.get("rope_interleave")))
+
+
+def _moe(hf: dict, family: Family, num_layers: int) -> dict:
+    from model.moe_config import moe_fields
+    if family.blocks:  # Nemotron-H: experts where a block says "moe", if one does
+        from model.mamba_config import block_moe_layers
+        layers = block_moe_layers(hf)
+        return ({**moe_fields(hf, family.moe, num_layers), "moe_layers": layers,
+                 "moe_latent_size": int(hf.get("moe_latent_size") or 0)}
+                if any(layers) else {})
+    return moe_fields(hf, family.moe, num_layers)
 
 
 def _granite_fields(hf: dict) -> dict:

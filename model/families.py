@@ -26,6 +26,9 @@ class MoeFamily:
     # the shared expert's output times sigmoid(a gate of its own) (Qwen2-MoE); else added as
     # it is (Granite 4.0-H's shared MLP; DeepSeek's shared experts)
     shared_gate: bool = True
+    # act(gate) * up in every expert; else act(up), no gate (Nemotron-H, with the model's
+    # MLP activation)
+    gated_experts: bool = True
     # DeepSeek's routers (and GLM-4.5's): a shared expert of moe_intermediate_size *
     # n_shared_experts with no gate, the first first_k_dense_replace layers dense, and
     # "v2": softmax scores, topk_method greedy or group_limited_greedy (groups scored by
@@ -129,7 +132,10 @@ FAMILIES = {
         "moe_intermediate_size", always_renormalize=False, float32_weights=False,
         shared_expert=True, sparse_layers=True)),
     "Qwen3_5ForCausalLM": Family(**_QWEN_LINEAR),
-    "NemotronHForCausalLM": Family(linear="mamba2", blocks=True, defaults=(
+    "NemotronHForCausalLM": Family(linear="mamba2", blocks=True, moe=MoeFamily(
+        "moe_intermediate_size", always_renormalize=False, float32_weights=True,
+        shared_expert=True, sparse_layers=False, deepseek_router="v3", gated_experts=False),
+        defaults=(
         ("mlp_hidden_act", "relu2"), ("layer_norm_epsilon", 1e-5), ("head_dim", 128),
         ("ssm_state_size", 128), ("mamba_num_heads", 128), ("mamba_head_dim", 64),
         ("n_groups", 8), ("conv_kernel", 4), ("chunk_size", 128), ("use_conv_bias", True),

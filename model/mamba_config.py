@@ -16,7 +16,8 @@ from model.config import DTYPES, ConfigError
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
-MIXERS = {"linear_attention": "mamba2", "full_attention": "attention", "mlp": "none"}
+MIXERS = {"linear_attention": "mamba2", "full_attention": "attention", "mlp": "none",
+          "moe": "none"}  # a block of an MLP, or of experts, alone
 
 
 def block_types(hf: dict) -> list[str]:
@@ -69,6 +70,11 @@ def granite_hf(hf: dict) -> dict:
                else {"intermediate_size": shared})}
 
 
+def block_moe_layers(hf: dict) -> tuple[bool, ...]:
+    """Nemotron-H: the blocks of experts (routed as DeepSeek-V3 routes) are the MoE layers."""
+    return tuple(t == "moe" for t in hf["layers_block_type"])
+
+
 def _number(v) -> float:
     """A float as config.json may write it: a number, "inf", or transformers'
     {"__float__": "Infinity"}."""
@@ -85,12 +91,6 @@ def mamba_fields(hf: dict, num_layers: int) -> dict:
     if len(types) != num_layers:
         raise ConfigError(f"layers_block_type names {len(types)} layers, the model has "
                           f"{num_layers}")
-    if "mlp" in types and hf.get("architectures", [""])[0] != "NemotronHForCausalLM":
-        raise ConfigError("a layer of MLP alone is Nemotron-H's; this model's layer_types "
-                          "name only mixers")
-    if "moe" in types:
-        raise ConfigError("unsupported layers_block_type 'moe': Nemotron-H's mixture-of-"
-                          "experts blocks are not served yet (its dense models are)")
     unknown = sorted(set(types) - set(MIXERS))
     if unknown:
         raise ConfigError(f"unsupported layers_block_type {unknown}; supported: "

@@ -23,6 +23,11 @@ TABLE = [
     (_M + r"norm\.weight", (*_MIXER, "norm_weight"), False),
     (_LAYER + r"block_sparse_moe\.router\.layer\.weight", ("layers", "moe", "router", "kernel"),
      True),
+    # Nemotron-H's latent experts' projections in and out (after `canonical`)
+    (_LAYER + r"mlp\.fc1_latent_proj\.weight", ("layers", "moe", "latent_in", "kernel"), True),
+    (_LAYER + r"mlp\.fc1_latent_proj\.bias", ("layers", "moe", "latent_in", "bias"), False),
+    (_LAYER + r"mlp\.fc2_latent_proj\.weight", ("layers", "moe", "latent_out", "kernel"), True),
+    (_LAYER + r"mlp\.fc2_latent_proj\.bias", ("layers", "moe", "latent_out", "bias"), False),
 ]
 _RENAMES = [
     (re.compile(r"^backbone\."), "model."),
@@ -31,6 +36,9 @@ _RENAMES = [
     (re.compile(r"^(model\.layers\.\d+\.)norm\."), r"\1input_layernorm."),
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.([qkvo]_proj\.)"), r"\1self_attn.\2"),
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.((up|down)_proj\.)"), r"\1mlp.\2"),
+    # a block of experts: the router, its bias, each expert and the shared expert
+    (re.compile(r"^(model\.layers\.\d+\.)mixer\.(gate|experts|shared_experts|"
+                r"fc[12]_latent_proj)\."), r"\1mlp.\2."),
 ]
 _CONV = re.compile(_M + r"conv1d\.weight")
 _EXPERTS = re.compile(_LAYER + r"block_sparse_moe\.(input|output)_linear\.weight")

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.layers import MLP, Linear, init, reduce_shards
+from model.layers import MLP, Linear, activation, init, reduce_shards
 from quant import ops as quant_ops
 
 
@@ -146,8 +146,11 @@ def clamped_swiglu(gate, up, limit: float, alpha: float):
 
 
 def _expert_mlp(rows, sizes, ids, lin, joined: bool, cfg: ModelConfig):
-    """Every sorted row through its expert's gated MLP: rows [M, H] -> [M, H]."""
+    """Every sorted row through its expert's MLP: rows [M, H] -> [M, H]."""
     n = cfg.moe_intermediate_size
+    if not cfg.moe_family.gated_experts:  # act(up), no gate (Nemotron-H)
+        h = activation(cfg.hidden_act)(lin(n, "up_proj")(rows, sizes, ids))
+        return lin(rows.shape[-1], "down_proj")(h, sizes, ids)
     if joined:  # gate and up joined at load, as the dense MLP's
         gate, up = jnp.split(lin(2 * n, "gate_up_proj")(rows, sizes, ids), 2, axis=-1)
     else:
@@ -227,10 +230,16 @@ class MoE(nn.Module):
         ids = experts.reshape(-1)[order] if family.biases else None  # each sorted row's
         lin = lambda n, name: ExpertLinear(n, local, cfg.dtype, family.biases,
                                            cfg.moe_backend, name=name)
-        out = _expert_mlp(x[order // k], sizes, ids, lin,
+        rows = x
+        if cfg.moe_latent_size:  # Nemotron-H's latent experts: in and out of a narrower width
+            rows = Linear(cfg.moe_latent_size, cfg.mlp_bias, cfg.dtype, name="latent_in")(x)
+        out = _expert_mlp(rows[order // k], sizes, ids, lin,
                           self.has_variable("params", "gate_up_proj"), cfg)
         terms = weighted_slots(out[inverse].reshape(T, k, -1), weights,
                                family.float32_weights)
+        if cfg.moe_latent_size:
+            terms = [Linear(cfg.hidden_size, cfg.mlp_bias, cfg.dtype, name="latent_out")(
+                sum_in_order(terms))]
         if shared and cfg.shared_expert_intermediate_size:
             terms.append(self._shared(x))
         return sum_in_order(terms)

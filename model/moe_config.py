@@ -74,7 +74,7 @@ def _moe_layers(hf: dict, family: MoeFamily, num_layers: int, experts: int):
 def _deepseek_fields(hf: dict, family: MoeFamily, num_layers: int) -> dict:
     """DeepSeek-V2 / V3 and GLM-4.5: routing rules as transformers' routers apply them (the
     V3 router ignores topk_method and moe_layer_freq, as transformers does)."""
-    if hf.get("hidden_act", "silu") != "silu":
+    if family.gated_experts and hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported mixture-of-experts config: hidden_act="
                           f"{hf['hidden_act']!r} (supported: 'silu')")
     v3 = family.deepseek_router == "v3"
@@ -98,8 +98,11 @@ def _deepseek_fields(hf: dict, family: MoeFamily, num_layers: int) -> dict:
                           f"with {experts} experts and num_experts_per_tok={k}")
     size = int(hf["moe_intermediate_size"])
     first_dense = int(hf.get("first_k_dense_replace") or 0)
+    # Nemotron-H names its shared expert's size; DeepSeek counts experts of the routed size
+    shared = int(hf.get("moe_shared_expert_intermediate_size")
+                 or size * int(hf.get("n_shared_experts") or 0))
     return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=size,
-                shared_expert_intermediate_size=size * int(hf.get("n_shared_experts") or 0),
+                shared_expert_intermediate_size=shared,
                 norm_topk_prob=v3 and bool(hf.get("norm_topk_prob")),
                 moe_layers=tuple(i >= first_dense for i in range(num_layers)),
                 router_sigmoid=v3, router_bias=v3, router_groups=groups,

@@ -97,8 +97,8 @@ class DecoderLayer(nn.Module):
             h, cache = GatedDeltaNet(cfg, name="linear_attn")(h, cache, kv_layer, batch)
         elif mixer == "mamba2":
             h, cache = Mamba2(cfg, name="mamba")(h, cache, kv_layer, batch)
-        elif mixer == "none":  # a block with an MLP alone (Nemotron-H)
-            h = MLP(cfg, self.axis, name="mlp")(h)
+        elif mixer == "none":  # a block of an MLP or experts alone (Nemotron-H)
+            h = self._mlp(h, layer)
         else:
             kind = LatentAttention if cfg.latent else Attention
             attn = kind(cfg, self.backend, self.axis, name="attn")

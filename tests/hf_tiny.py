@@ -138,8 +138,10 @@ def _tiny_linear_config(family: str):
 
 
 def _tiny_mamba_config(family: str):
-    """Nemotron-H with every kind of dense block: Mamba2 in blocks 0, 3 and 5, NoPE
-    attention in block 2, squared-ReLU MLPs in blocks 1 and 4; 8 Mamba heads in 2 groups.
+    """Nemotron-H with every kind of block: Mamba2 in blocks 0, 3 and 5, NoPE attention in
+    block 2, a squared-ReLU MLP in block 1, experts in block 4 (8 ungated experts, 2 a
+    token, routed as DeepSeek-V3: 2 groups of which 1 is kept, scaled by 2.5, beside a
+    shared expert); 8 Mamba heads in 2 groups.
     Granite 4.0-H: Mamba2 in layers 0, 1 and 3, attention in layer 2, every multiplier away
     from 1; with 4 experts (2 a token) beside the shared MLP and NoPE (as Granite 4.0-H
     ships), or dense (the shared MLP alone) with RoPE."""
@@ -163,7 +165,10 @@ def _tiny_mamba_config(family: str):
         eos_token_id=2, pad_token_id=0, ssm_state_size=16, mamba_num_heads=8,
         mamba_head_dim=16, n_groups=2, chunk_size=8, conv_kernel=4,
         layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention",
-                           "mlp", "linear_attention"], attn_implementation="eager"),
+                           "moe", "linear_attention"], attn_implementation="eager",
+        experts_implementation="eager", n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=40, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, initializer_range=0.1),
             tf.NemotronHForCausalLM)
 
 
@@ -201,6 +206,9 @@ def _perturb_linear(model, centred: bool = True) -> None:
                 p.uniform_(-2.0, 1.0)
             elif name.endswith(".D") or name.endswith("conv1d.bias"):
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a choice-only bias: spread it
+                b.normal_(0, 0.1)
 
 
 def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:

@@ -166,6 +166,24 @@ def test_projections_join_only_all_with_offsets_or_all_without():
     assert "qkv_proj" not in joined_names([q, k, plain])
 
 
+def test_float16_and_float32_mins_join_widened_to_the_same_bits():
+    """A Q5_1 kernel (float16 scales and mins) joined with a Q5_K one (float32): the join
+    widens to float32, exactly, and each part's columns of the joined product are the bits
+    its own kernel gives."""
+    rng = np.random.default_rng(10)
+    parts = [weight(rng, 64, 32, 32, np.float16), weight(rng, 64, 16, 32, np.float32)]
+    joined = concat_int8_groups([array(*p) for p in parts])
+    assert joined.scale.dtype == joined.offset.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(joined.dequantize()),
+        np.concatenate([np.asarray(array(*p).dequantize()) for p in parts], -1))
+    assert "qkv_proj" in joined_names([array(*parts[0]), array(*parts[1]), array(*parts[1])])
+    x = jnp.asarray(rng.standard_normal((5, 64)).astype(np.float32))
+    got = np.asarray(q8_0_matmul(x, *pack_panels(joined.values, joined.scale, joined.offset)))
+    np.testing.assert_array_equal(got[:, :32], np.asarray(q8_0_matmul(x, *pack_panels(*parts[0]))))
+    np.testing.assert_array_equal(got[:, 32:], np.asarray(q8_0_matmul(x, *pack_panels(*parts[1]))))
+
+
 def joined_names(kernels) -> set[str]:
     """The attention's projections after `_join_projections` of q, k and v `kernels`."""
     attn = {n: {"kernel": a} for n, a in zip(("q_proj", "k_proj", "v_proj"), kernels)}

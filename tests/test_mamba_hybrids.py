@@ -15,7 +15,7 @@ from tests.hf_tiny import MAMBA_FAMILIES, tiny_hf_model
 from tests.hybrid_checks import (ENGINE, check_batched_equals_alone, check_conversion,
                                  check_greedy, check_logits)
 
-BLOCKS = ["linear_attention", "mlp", "full_attention", "linear_attention", "mlp",
+BLOCKS = ["linear_attention", "mlp", "full_attention", "linear_attention", "moe",
           "linear_attention"]
 
 
@@ -58,9 +58,18 @@ def test_config_reads_each_family(family):
     assert (cfg.num_layers, cfg.num_kv_layers, cfg.num_linear_layers) == (6, 1, 3)
     assert cfg.blocks and not cfg.mlp_gated and not cfg.use_rope and cfg.norm_weight_f32
     assert cfg.hidden_act == "relu2" and cfg.rms_norm_eps == 1e-5
+    assert cfg.moe_layers == (False,) * 4 + (True, False)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size) == (8, 2, 32, 40)
+    assert (cfg.router_sigmoid, cfg.router_bias, cfg.router_groups, cfg.router_topk_groups,
+            cfg.router_group_top2, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (
+        True, True, 2, 1, True, 2.5, True)
+    # without a block of experts the model is dense
+    dense = ModelConfig.from_hf({**hf, "layers_block_type": BLOCKS[:4] + ["mlp", BLOCKS[5]]})
+    assert not dense.num_experts and not dense.moe_layers
     # the older forms: the pattern string, and the legacy block names
     del hf["layers_block_type"]
-    assert ModelConfig.from_hf({**hf, "hybrid_override_pattern": "M-*M-M"}) == cfg
+    assert ModelConfig.from_hf({**hf, "hybrid_override_pattern": "M-*MEM"}) == cfg
     legacy = [{"linear_attention": "mamba", "full_attention": "attention"}.get(t, t)
               for t in BLOCKS]
     assert ModelConfig.from_hf({**hf, "layers_block_type": legacy}) == cfg
@@ -86,8 +95,8 @@ def test_refusals(family):
             ModelConfig.from_hf({**hf, "layer_types": ["mamba", "mlp", "attention", "mamba"]})
         return
     hf = {**hf, "layers_block_type": BLOCKS}
-    with pytest.raises(ConfigError, match="'moe'"):
-        ModelConfig.from_hf({**hf, "layers_block_type": BLOCKS[:-1] + ["moe"]})
+    with pytest.raises(ConfigError, match="n_group"):  # the experts' groups checked
+        ModelConfig.from_hf({**hf, "n_group": 3})
     with pytest.raises(ConfigError, match="no attention layer"):
         ModelConfig.from_hf({**{k: v for k, v in hf.items() if k != "layers_block_type"},
                              "hybrid_override_pattern": "M-M"})
@@ -104,6 +113,15 @@ def test_logits_match_transformers(family):
     check_logits(name, model, folder, cuts=(5, 100))
 
 
+@pytest.mark.jax_cache
+def test_latent_experts_match_transformers(tmp_path):
+    """Nemotron-H's experts on a latent width (moe_latent_size): tokens projected in before
+    the experts and their weighted sum projected out."""
+    model = tiny_hf_model("nemotron_h", tmp_path, moe_latent_size=24)
+    assert ModelConfig.from_dir(tmp_path).moe_latent_size == 24
+    check_logits("nemotron_h latent", model, tmp_path, cuts=(5,))
+
+
 def test_greedy_tokens_match_transformers(family, llm):
     check_greedy(family[1], llm)
 
@@ -115,12 +133,17 @@ def test_batched_equals_alone(family, llm):
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_converted_checkpoint_loads_the_same(family, tmp_path, quantize):
     """Quantized, the projections are int8 and the conv, gates and norms stay float."""
-    direct = check_conversion(family[2], tmp_path / "ckpt", quantize)
+    name, folder = family[0], family[2]
+    direct = check_conversion(folder, tmp_path / "ckpt", quantize)
     is_q = lambda a: isinstance(a, QuantArray)
     mixer = direct["layers"][0]["mamba"]
     assert is_q(mixer["in_proj"]["kernel"]) == (quantize == "int8")
     mlp = direct["layers"][1]
     mlp = mlp["moe"]["shared_expert"] if "moe" in mlp else mlp["mlp"]
     assert is_q(mlp["up_proj"]["kernel"]) == (quantize == "int8")
+    if name == "nemotron_h":  # the block of experts: ungated experts, the router float32
+        moe = direct["layers"][4]["moe"]
+        assert "gate_proj" not in moe and is_q(moe["up_proj"]["kernel"]) == (quantize == "int8")
+        assert not is_q(moe["router"]["kernel"]) and not is_q(moe["router_bias"])
     assert not any(is_q(mixer[k]) for k in ("conv_weight", "conv_bias", "dt_bias", "A_log", "D",
                                              "norm_weight"))
