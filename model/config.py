@@ -14,8 +14,11 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2
 DTYPES = ("float32", "bfloat16", "float16")
 # KV cache storage (model/kv_cache.py): "auto" is the model's dtype; a float dtype stores K/V
 # rounded to it; int8 / fp8 store them quantized with a scale per (token, KV head).
-# The mixers that keep a recurrent state per request.
+# The mixers that keep a recurrent state per request, and those that keep K/V pages
+# ("hybrid": Mamba2 and attention side by side, Falcon-H1, keeps both).
 LINEAR_MIXERS = ("gdn", "mamba2")
+STATEFUL = (*LINEAR_MIXERS, "hybrid")
+ATTENDING = ("attention", "hybrid")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 # model/attention.py's backends ("auto" picks one for the device): named here, without JAX,
 # for the CLI's choices.
@@ -110,6 +113,14 @@ class ModelConfig:
     ssm_conv_bias: bool = False
     ssm_proj_bias: bool = False
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    ssm_out_bias: bool = False  # out_proj's bias (Falcon-H1's projectors_bias); else as in_proj
+    # The mixer's output gate and norm: "gate_first" (RMSNorm per group of y * SiLU(z)),
+    # "norm_first" (SiLU(z) times the normed y), "none" (y * SiLU(z), no norm).
+    ssm_norm: str = "gate_first"
+    # Falcon-H1's muP multipliers by name (sorted pairs; a missing one is 1): "ssm_in",
+    # "ssm_z", "ssm_x", "ssm_b", "ssm_c", "ssm_dt", "ssm_out", "attn_in", "attn_out", "key",
+    # "mlp_gate", "mlp_down", "lm_head".
+    multipliers: tuple[tuple[str, float], ...] = ()
     # The recurrent state's dtype as config.json asks (mamba_ssm_dtype); the engine's
     # --mamba-ssm-cache-dtype may override it.
     ssm_state_dtype: str = "float32"
@@ -181,15 +192,18 @@ class ModelConfig:
     def mixer(self, layer: int) -> str:
         return self.mixers[layer] if self.mixers else "attention"
 
+    def mult(self, name: str) -> float:
+        return dict(self.multipliers).get(name, 1.0)
+
     @property
     def num_kv_layers(self) -> int:
         """The layers that keep K/V pages: the attention layers."""
-        return sum(1 for i in range(self.num_layers) if self.mixer(i) == "attention")
+        return sum(1 for i in range(self.num_layers) if self.mixer(i) in ATTENDING)
 
     @property
     def num_linear_layers(self) -> int:
         """The layers that keep a recurrent state instead."""
-        return sum(1 for i in range(self.num_layers) if self.mixer(i) in LINEAR_MIXERS)
+        return sum(1 for i in range(self.num_layers) if self.mixer(i) in STATEFUL)
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -231,15 +245,19 @@ class ModelConfig:
                               + ", ".join(FAMILIES))
         family = FAMILIES[arch]
         hf = {**dict(family.defaults), **hf}
+        from model.latent_config import latent_fields
+        from model.mamba_config import (falcon_fields, falcon_hf, granite_fields, granite_hf,
+                                         nemotron_hf)
+        from model.rope_config import rotary_dim, scaling_items
         if family.linear == "mamba2":
-            from model.mamba_config import granite_hf, nemotron_hf
-            hf = nemotron_hf(hf) if family.blocks else granite_hf(hf)
+            hf = (nemotron_hf if family.blocks else falcon_hf if family.falcon
+                  else granite_hf)(hf)
         if hf.get("index_topk") is not None:
             raise ConfigError(f"unsupported config: index_topk={hf['index_topk']!r} "
                               "(DeepSeek-V3.2's sparse-attention indexer is not served)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        latent = _latent_fields(hf, family) if family.latent else {}
+        latent = latent_fields(hf, family) if family.latent else {}
         if latent:
             head_dim = latent.pop("head_dim")
             hf = {**hf, "query_pre_attn_scalar": latent.pop("query_scale") ** -2}
@@ -256,7 +274,7 @@ class ModelConfig:
         from model.mamba_config import mamba_fields
         linear = ({"gdn": linear_fields, "mamba2": mamba_fields}[family.linear](hf, num_layers)
                   if family.linear else {})
-        if linear and "attention" not in linear["mixers"]:
+        if linear and not set(ATTENDING) & set(linear["mixers"]):
             raise ConfigError("unsupported config: no attention layer (a model of linear "
                               "layers alone keeps no KV pages, which the engine sizes by)")
         if hf.get("use_bidirectional_attention"):
@@ -273,7 +291,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=scaling_items(rope),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("qkv_bias", family.qkv_bias)) or attention_bias,
@@ -295,7 +313,7 @@ class ModelConfig:
             attn_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
             attn_sinks=family.sinks,
             final_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
-            rotary_dim=_rotary_dim(hf, rope, head_dim),
+            rotary_dim=rotary_dim(hf, rope, head_dim),
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             attn_output_gate=family.gated_attention,
             blocks=family.blocks,
@@ -303,7 +321,8 @@ class ModelConfig:
             use_rope=not family.blocks and (not family.granite
                                             or hf.get("position_embedding_type") == "rope"),
             norm_weight_f32=family.blocks,
-            **(_granite_fields(hf) if family.granite else {}),
+            **(granite_fields(hf) if family.granite else {}),
+            **(falcon_fields(hf) if family.falcon else {}),
             **linear,
             **latent,
             **(_moe(hf, family, num_layers) if family.moe else {}),
@@ -330,36 +349,8 @@ class ModelConfig:
         d["mixers"] = tuple(d.get("mixers", ()))
         if "ssm_dt_limit" in d:
             d["ssm_dt_limit"] = tuple(d["ssm_dt_limit"])
+        d["multipliers"] = tuple((k, v) for k, v in d.get("multipliers", ()))
         return cls(**d)
-
-
-def _rotary_dim(hf: dict, rope: dict, head_dim: int) -> int:
-    """partial_rotary_factor (in rope_parameters or at the top) -> the dims RoPE turns."""
-    factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    if not 0 < factor <= 1:
-        raise ConfigError(f"unsupported partial_rotary_factor={factor!r}")
-    dim = int(head_dim * factor)
-    if dim % 2:
-        raise ConfigError(f"partial_rotary_factor={factor} rotates an odd {dim} dims")
-    return 0 if dim == head_dim else dim
-
-
-def _latent_fields(hf: dict, family: Family) -> dict:
-    """DeepSeek's latent attention: the sizes, and the softmax scale over the nope and rope
-    dims with YaRN's mscale_all_dim folded in twice, as transformers' yarn_apply_mscale."""
-    import math
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    nope, rot = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
-    scale = (nope + rot) ** -0.5
-    all_dim = float(rope.get("mscale_all_dim") or 0.0)
-    if rope.get("rope_type", rope.get("type", "default")) != "default" and all_dim:
-        factor = float(rope["factor"])
-        m = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
-        scale *= m * m
-    return dict(head_dim=rot, kv_lora_rank=int(hf["kv_lora_rank"]),
-                q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
-                v_head_dim=int(hf["v_head_dim"]), query_scale=scale,
-                rope_interleaved=family.rope_interleaved or bool(hf.get("rope_interleave")))
 
 
 def _moe(hf: dict, family: Family, num_layers: int) -> dict:
@@ -373,36 +364,9 @@ def _moe(hf: dict, family: Family, num_layers: int) -> dict:
     return moe_fields(hf, family.moe, num_layers)
 
 
-def _granite_fields(hf: dict) -> dict:
-    return dict(embedding_multiplier=float(hf["embedding_multiplier"]),
-                residual_multiplier=float(hf["residual_multiplier"]),
-                logits_scaling=float(hf["logits_scaling"]))
-
-
 def _hf_dtype(hf: dict) -> str:
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     return dtype if dtype in DTYPES else "float32"
-
-
-def _rope_scaling(rs: dict):
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind not in ("llama3", "linear", "yarn"):
-        raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: llama3, "
-                          "linear, yarn")
-    items = {"rope_type": kind}
-    for key in ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings", "beta_fast", "beta_slow",
-                "attention_factor", "mscale", "mscale_all_dim"):
-        if rs.get(key) is not None:
-            items[key] = float(rs[key])
-    if kind == "yarn":
-        if "factor" not in items or "original_max_position_embeddings" not in items:
-            raise ConfigError("yarn rope_scaling needs factor and "
-                              "original_max_position_embeddings")
-        items["truncate"] = float(bool(rs.get("truncate", True)))
-    return tuple(sorted(items.items()))
 
 
 def _activation(hf: dict) -> str:

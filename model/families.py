@@ -24,7 +24,7 @@ class MoeFamily:
     topk_then_softmax: bool = False
     clamped_swiglu: bool = False
     # the shared expert's output times sigmoid(a gate of its own) (Qwen2-MoE); else added as
-    # it is (Granite 4.0-H's shared MLP; DeepSeek's shared experts)
+    # it is (Granite 4.0-H's shared MLP; the shared experts of DeepSeek's routers)
     shared_gate: bool = True
     # act(gate) * up in every expert; else act(up), no gate (Nemotron-H, with the model's
     # MLP activation)
@@ -71,6 +71,9 @@ class Family:
     # residual_multiplier before the residual add, attention_multiplier the softmax scale,
     # logits divided by logits_scaling, RoPE only where position_embedding_type is "rope".
     granite: bool = False
+    # Falcon-H1: every layer runs Mamba2 and attention side by side on the same normed input
+    # (mixer "hybrid"), with its muP multipliers (ModelConfig.multipliers).
+    falcon: bool = False
     # The family's config class defaults for fields a config.json may leave out.
     defaults: tuple[tuple[str, object], ...] = ()
 
@@ -106,14 +109,14 @@ FAMILIES = {
                   ("rope_theta", 150000.0), ("max_position_embeddings", 131072))),
     "DeepseekV2ForCausalLM": Family(latent=True, rope_interleaved=True, moe=MoeFamily(
         "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v2"),
+        shared_expert=True, shared_gate=False, sparse_layers=False, deepseek_router="v2"),
         defaults=(("n_shared_experts", 2), ("first_k_dense_replace", 0),
                   ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
                   ("kv_lora_rank", 512), ("q_lora_rank", 1536), ("topk_method", "greedy"),
                   ("routed_scaling_factor", 1.0), ("scoring_func", "softmax"))),
     "DeepseekV3ForCausalLM": Family(latent=True, moe=MoeFamily(
         "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v3"),
+        shared_expert=True, shared_gate=False, sparse_layers=False, deepseek_router="v3"),
         defaults=(("n_shared_experts", 1), ("first_k_dense_replace", 3),
                   ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
                   ("kv_lora_rank", 512), ("q_lora_rank", 1536), ("norm_topk_prob", True),
@@ -122,7 +125,7 @@ FAMILIES = {
                   ("topk_method", "noaux_tc"))),
     "Glm4MoeForCausalLM": Family(o_bias=False, qk_norm="config", moe=MoeFamily(
         "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v3"),
+        shared_expert=True, shared_gate=False, sparse_layers=False, deepseek_router="v3"),
         defaults=(("n_shared_experts", 1), ("first_k_dense_replace", 1),
                   ("norm_topk_prob", True), ("n_group", 1), ("topk_group", 1),
                   ("routed_scaling_factor", 1.0), ("scoring_func", "sigmoid"),
@@ -134,12 +137,20 @@ FAMILIES = {
     "Qwen3_5ForCausalLM": Family(**_QWEN_LINEAR),
     "NemotronHForCausalLM": Family(linear="mamba2", blocks=True, moe=MoeFamily(
         "moe_intermediate_size", always_renormalize=False, float32_weights=True,
-        shared_expert=True, sparse_layers=False, deepseek_router="v3", gated_experts=False),
+        shared_expert=True, shared_gate=False, sparse_layers=False, deepseek_router="v3",
+        gated_experts=False),
         defaults=(
         ("mlp_hidden_act", "relu2"), ("layer_norm_epsilon", 1e-5), ("head_dim", 128),
         ("ssm_state_size", 128), ("mamba_num_heads", 128), ("mamba_head_dim", 64),
         ("n_groups", 8), ("conv_kernel", 4), ("chunk_size", 128), ("use_conv_bias", True),
         ("max_position_embeddings", 4096))),
+    "FalconH1ForCausalLM": Family(linear="mamba2", falcon=True, defaults=(
+        ("mamba_d_ssm", 1024), ("mamba_n_heads", 128), ("mamba_d_head", "auto"),
+        ("mamba_n_groups", 1), ("mamba_d_state", 256), ("mamba_d_conv", 4),
+        ("mamba_expand", 2), ("mamba_chunk_size", 256), ("mamba_conv_bias", True),
+        ("mamba_proj_bias", False), ("mamba_norm_before_gate", True),
+        ("mamba_rms_norm", False), ("projectors_bias", False), ("rms_norm_eps", 1e-5),
+        ("max_position_embeddings", 8192))),
     "GraniteMoeHybridForCausalLM": Family(linear="mamba2", granite=True, moe=MoeFamily(
         "intermediate_size", always_renormalize=False, float32_weights=False,
         shared_expert=True, sparse_layers=False, topk_then_softmax=True, shared_gate=False),

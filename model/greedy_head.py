@@ -27,6 +27,7 @@ def greedy_tokens(params, cfg: ModelConfig, vocab_size: int, axis: str | None = 
     params = prepare_params(params)
     head = params.get("lm_head", {}).get("kernel")
     if (axis is not None or cfg.final_soft_cap or cfg.logits_scaling != 1.0
+            or cfg.mult("lm_head") != 1.0
             or cfg.dtype != "float32"
             or not isinstance(head, PackedDense) or not argmax_available()):
         return None

@@ -185,7 +185,7 @@ def load_hf_params(hf_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
     for f in files:
         for n in _keys(f):
             if (text := text_tensor(n)) is not None:
-                if cfg.blocks:
+                if cfg.blocks or "hybrid" in cfg.mixers:
                     text = mamba_weights.canonical(text)
                 stored[text] = n
                 names.append((f, text))

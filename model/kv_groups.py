@@ -9,7 +9,7 @@ a cache built without a window part, keeps one cache and one table for every lay
 """
 from __future__ import annotations
 
-from model.config import ModelConfig
+from model.config import LINEAR_MIXERS, STATEFUL, ModelConfig
 
 
 def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
@@ -37,12 +37,23 @@ def kv_layers(cfg: ModelConfig, split: bool) -> list[tuple[bool, int]]:
     """For each layer, (in the window cache?, its index in that cache). split: the cache
     has a window part; else every attention layer is in the one cache. A linear layer's
     index is among the linear layers (its slot of the RecurrentState); a layer with no
-    mixer (an MLP block) keeps nothing, and its index means nothing."""
+    mixer (an MLP block) keeps nothing, and its index means nothing. A "hybrid" layer's is
+    its K/V index; `state_layers` gives its state's."""
     out, count = [], {}
     for i, w in enumerate(layer_windows(cfg)):
         mixer = cfg.mixer(i)
-        group = ("none" if mixer == "none" else "linear" if mixer != "attention" else
+        group = ("none" if mixer == "none" else "linear" if mixer in LINEAR_MIXERS else
                  "window" if split and w > 0 else "full")
         out.append((group == "window", count.get(group, 0)))
         count[group] = count.get(group, 0) + 1
+    return out
+
+
+def state_layers(cfg: ModelConfig) -> list[int]:
+    """Each layer's index in the RecurrentState (its place among the layers that keep one;
+    0 for the others, where it means nothing)."""
+    out, count = [], 0
+    for i in range(cfg.num_layers):
+        out.append(count if cfg.mixer(i) in STATEFUL else 0)
+        count += cfg.mixer(i) in STATEFUL
     return out

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from model import lora
 from model.config import ModelConfig
+from model.rounding import rounded
 from pallas_kernels import rms_norm_cpu
 from quant import ops as quant_ops
 
@@ -107,7 +108,16 @@ class MLP(nn.Module):
             gate, up = jnp.split(lin(2 * n, "gate_up_proj")(x), 2, axis=-1)
         else:
             gate, up = lin(n, "gate_proj")(x), lin(n, "up_proj")(x)
-        return reduce_shards(lin(cfg.hidden_size, "down_proj")(act(gate) * up), self.axis)
+        # Falcon-H1's multipliers on the gate and the output (1 elsewhere: nothing)
+        down = lin(cfg.hidden_size, "down_proj")(act(scaled(gate, cfg, "mlp_gate")) * up)
+        return reduce_shards(scaled(down, cfg, "mlp_down"), self.axis)
+
+
+def scaled(x, cfg: ModelConfig, name: str):
+    """x times the multiplier `name` (ModelConfig.multipliers) in x's dtype, rounded; x
+    itself where that is 1."""
+    m = cfg.mult(name)
+    return x if m == 1.0 else rounded(x * jnp.asarray(m, x.dtype))
 
 
 def soft_cap(x, cap: float):

@@ -50,7 +50,7 @@ def linear_fields(hf: dict, num_layers: int) -> dict:
 def conv_channels(cfg) -> int:
     """The short convolution's channels: q, k and v of every head (Gated DeltaNet); x, B
     and C (Mamba2)."""
-    if "mamba2" in cfg.mixers:
+    if cfg.ssm_heads:  # Mamba2
         return cfg.ssm_heads * cfg.ssm_head_dim + 2 * cfg.ssm_groups * cfg.ssm_state_size
     return 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * \
         cfg.linear_value_dim
@@ -59,6 +59,6 @@ def conv_channels(cfg) -> int:
 def ssm_shape(cfg) -> tuple[int, int, int]:
     """One layer's recurrent state per request: [value heads, key dim, value dim] (Gated
     DeltaNet); [heads, head dim, state size] (Mamba2)."""
-    if "mamba2" in cfg.mixers:
+    if cfg.ssm_heads:  # Mamba2
         return cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size
     return cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim

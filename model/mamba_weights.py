@@ -36,6 +36,10 @@ _RENAMES = [
     (re.compile(r"^(model\.layers\.\d+\.)norm\."), r"\1input_layernorm."),
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.([qkvo]_proj\.)"), r"\1self_attn.\2"),
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.((up|down)_proj\.)"), r"\1mlp.\2"),
+    # Falcon-H1's MLP and norms
+    (re.compile(r"^(model\.layers\.\d+\.)feed_forward\."), r"\1mlp."),
+    (re.compile(r"^(model\.layers\.\d+\.)pre_ff_layernorm\."), r"\1post_attention_layernorm."),
+    (re.compile(r"^model\.final_layernorm\."), "model.norm."),
     # a block of experts: the router, its bias, each expert and the shared expert
     (re.compile(r"^(model\.layers\.\d+\.)mixer\.(gate|experts|shared_experts|"
                 r"fc[12]_latent_proj)\."), r"\1mlp.\2."),

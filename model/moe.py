@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.layers import MLP, Linear, activation, init, reduce_shards
+from model.rounding import rounded
 from quant import ops as quant_ops
 
 
@@ -174,9 +175,8 @@ def weighted_slots(out, weights, float32_weights: bool) -> list:
 
 
 def _sum_unfused(*terms):
-    """The products computed before any sum: XLA:CPU contracts `a * b + c` into an FMA in
-    some fusions and not in others, by the step's token count (rope._rotate_unfused)."""
-    return reduce(add, jax.lax.optimization_barrier(terms))
+    """The products rounded before any sum (model/rounding.py)."""
+    return reduce(add, rounded(terms))
 
 
 def sum_in_order(terms: list):
@@ -260,7 +260,7 @@ class MoE(nn.Module):
     def _shared(self, x):
         cfg = self.cfg
         shared = MLP(cfg, None, cfg.shared_expert_intermediate_size, name="shared_expert")(x)
-        if cfg.moe_family.deepseek_router or not cfg.moe_family.shared_gate:
+        if not cfg.moe_family.shared_gate:
             return shared  # DeepSeek's shared experts, Granite's shared MLP: added as they are
         gate = Linear(1, False, cfg.dtype, name="shared_expert_gate")(x)
         return nn.sigmoid(gate) * shared

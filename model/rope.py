@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from model.rounding import rounded
 
 
 def _local(cfg: ModelConfig, layer: int) -> bool:
@@ -77,11 +78,9 @@ def _rotate(x, cos, rotated, sin):
 
 
 def _rotate_unfused(x, cos, rotated, sin):
-    """The two products kept apart from their sum: XLA:CPU contracts `a * b + c * d` into an
-    FMA in some fusions and not in others, and which one it builds depended on the step's
-    token count, so a key's last bits changed with the batch (docs/architecture.md, "Batch
-    invariance")."""
-    a, b = jax.lax.optimization_barrier((x * cos, rotated * sin))
+    """The two products rounded before their sum (model/rounding.py): XLA:CPU contracted
+    `a * b + c * d` into an FMA in some step programs and not in others."""
+    a, b = rounded((x * cos, rotated * sin))
     return a + b
 
 

@@ -18,7 +18,7 @@ from model.attention import paged_attention
 from model.batch import Batch
 from model.config import ModelConfig
 from model.kv_cache import KVCache, write_kv
-from model.kv_groups import kv_layers, layer_windows
+from model.kv_groups import kv_layers, layer_windows, state_layers
 from model.latent_attention import LatentAttention
 from model.linear_attention.gated_deltanet import GatedDeltaNet
 from model.linear_attention.mamba2 import Mamba2
@@ -27,7 +27,8 @@ from model.moe import MoE
 from model.runtime_params import prepare_params
 from model.sharding import embed_vocab_parallel
 from model.layers import (MLP, Linear, embed, matmul, matmul_t, norm, reduce_shards,
-                          soft_cap)
+                          scaled, soft_cap)
+from model.rounding import rounded
 from model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 
 
@@ -56,7 +57,7 @@ class Attention(nn.Module):
             q, gate = jnp.split(q.reshape(T, cfg.num_heads, 2 * cfg.head_dim), 2, axis=-1)
             gate = gate.reshape(T, cfg.q_size)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        k = scaled(k.reshape(T, cfg.num_kv_heads, cfg.head_dim), cfg, "key")  # Falcon-H1
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
@@ -99,6 +100,8 @@ class DecoderLayer(nn.Module):
             h, cache = Mamba2(cfg, name="mamba")(h, cache, kv_layer, batch)
         elif mixer == "none":  # a block of an MLP or experts alone (Nemotron-H)
             h = self._mlp(h, layer)
+        elif mixer == "hybrid":  # Falcon-H1: Mamba2 and attention side by side
+            h, cache = self._side_by_side(h, cache, layer, window, batch, kv_layer)
         else:
             kind = LatentAttention if cfg.latent else Attention
             attn = kind(cfg, self.backend, self.axis, name="attn")
@@ -123,19 +126,23 @@ class DecoderLayer(nn.Module):
             return MoE(cfg, self.axis, name="moe")(h)
         return MLP(cfg, self.axis, name="mlp")(h)
 
+    def _side_by_side(self, h, caches, layer: int, window, batch, indices):
+        """Mamba2 and attention on the same normed input, each scaled in and out by its
+        multipliers, their outputs added; caches and indices: (K/V, state) each."""
+        cfg = self.cfg
+        (cache, state), (kv_layer, state_layer) = caches, indices
+        m, state = Mamba2(cfg, name="mamba")(scaled(h, cfg, "ssm_in"), state, state_layer,
+                                             batch)
+        a, cache = Attention(cfg, self.backend, self.axis, name="attn")(
+            scaled(h, cfg, "attn_in"), cache, layer, window, batch, kv_layer)
+        return scaled(m, cfg, "ssm_out") + scaled(a, cfg, "attn_out"), (cache, state)
+
     def _scaled(self, x, h, layer: int):
         """x + m * mixer(x) then + m * MLP, m the residual multiplier (Granite), each
         product rounded before its add (`rounded`)."""
         m = jnp.asarray(self.cfg.residual_multiplier, self.cfg.dtype)
         x = x + rounded(h * m)
         return x + rounded(self._mlp(norm(self.cfg, "post_norm")(x), layer) * m)
-
-
-def rounded(product):
-    """A product rounded to its dtype before whatever adds it, as transformers computes it:
-    XLA:CPU may otherwise fuse the multiply into the add as one FMA, and whether it does can
-    depend on the step's shape (a row's last bits would then move with its batch)."""
-    return jax.lax.optimization_barrier(product)
 
 
 def forward(params, cache: KVCache, batch: Batch, cfg: ModelConfig, backend: str = "reference",
@@ -181,12 +188,16 @@ def forward_hidden(params, cache: KVCache, batch: Batch, cfg: ModelConfig,
     # (model/linear_attention/state.py), each at its index among them.
     state, cache = cache.state, replace(cache, state=None)
     window_batch = batch.window_view() if window_cache is not None else None
+    stateful = state_layers(cfg)
     for i, (in_window, j) in enumerate(kv_layers(cfg, window_cache is not None)):
         variables = {"params": params["layers"][i]}
         if routing is not None:
             variables["lora"] = lora.layer_variables(lora_slots[i], routing)
         w = jnp.int32(windows[i])
-        if cfg.mixer(i) != "attention":
+        if cfg.mixer(i) == "hybrid":  # K/V pages and a state both
+            x, (cache, state) = layer.apply(variables, x, (cache, state), i, w, batch,
+                                            (j, stateful[i]))
+        elif cfg.mixer(i) != "attention":
             x, state = layer.apply(variables, x, state, i, w, batch, j)
         elif in_window:
             x, window_cache = layer.apply(variables, x, window_cache, i, w, window_batch, j)
@@ -213,6 +224,7 @@ def compute_logits(params, hidden, cfg: ModelConfig, axis: str | None = None):
         logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :cfg.vocab_size]
     if cfg.logits_scaling != 1.0:  # Granite
         logits = logits / jnp.asarray(cfg.logits_scaling, logits.dtype)
+    logits = scaled(logits, cfg, "lm_head")  # Falcon-H1
     return soft_cap(logits, cfg.final_soft_cap).astype(jnp.float32)
 
 
@@ -252,9 +264,10 @@ def _init(cfg: ModelConfig, key):
     cache = KVCache.zeros(cfg, 1, 1)
     state = RecurrentState.zeros(cfg, 1) if cfg.num_linear_layers else None
     x = jnp.zeros((1, cfg.hidden_size), cfg.dtype)
+    caches = {"attention": cache, "hybrid": (cache, state)}
     init_layer = lambda k, i: DecoderLayer(cfg, "reference").init(
-        k, x, state if cfg.mixer(i) != "attention" else cache, i, jnp.int32(0), batch,
-        0)["params"]
+        k, x, caches.get(cfg.mixer(i), state), i, jnp.int32(0), batch,
+        (0, 0) if cfg.mixer(i) == "hybrid" else 0)["params"]
     keys = jax.random.split(k_layers, cfg.num_layers)
     if cfg.uniform_layers:
         layers = jax.vmap(lambda k: init_layer(k, 0))(keys)

@@ -5,7 +5,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 LINEAR_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-MAMBA_FAMILIES = ("nemotron_h", "granite_h", "granite_h_dense")
+MAMBA_FAMILIES = ("nemotron_h", "granite_h", "granite_h_dense", "falcon_h1")
 
 
 def tiny_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -144,8 +144,20 @@ def _tiny_mamba_config(family: str):
     shared expert); 8 Mamba heads in 2 groups.
     Granite 4.0-H: Mamba2 in layers 0, 1 and 3, attention in layer 2, every multiplier away
     from 1; with 4 experts (2 a token) beside the shared MLP and NoPE (as Granite 4.0-H
-    ships), or dense (the shared MLP alone) with RoPE."""
+    ships), or dense (the shared MLP alone) with RoPE. Falcon-H1: three layers of Mamba2
+    beside attention."""
     import transformers as tf
+    if family == "falcon_h1":  # every multiplier away from 1, the mixer's width its own
+        return (tf.FalconH1Config(
+            vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=512, bos_token_id=1, eos_token_id=2, mamba_d_ssm=96,
+            mamba_n_heads=6, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8,
+            mamba_n_groups=2, attn_implementation="eager", embedding_multiplier=2.0,
+            lm_head_multiplier=0.5, mlp_multipliers=[1.5, 0.75], key_multiplier=0.8,
+            attention_in_multiplier=1.2, attention_out_multiplier=0.9,
+            ssm_multipliers=[0.5, 1.5, 0.8, 1.1, 0.7], ssm_in_multiplier=1.3,
+            ssm_out_multiplier=0.6), tf.FalconH1ForCausalLM)
     if family.startswith("granite"):
         dense = family == "granite_h_dense"
         return (tf.GraniteMoeHybridConfig(

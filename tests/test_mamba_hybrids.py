@@ -1,4 +1,5 @@
-"""Mamba2 hybrids (Nemotron-H, Granite 4.0-H with experts and dense) against transformers:
+"""Mamba2 hybrids (Nemotron-H, Granite 4.0-H with experts and dense, Falcon-H1) against
+transformers:
 the config fields each family reads (Nemotron-H's block list in each form config.json writes
 it), logits over the paged cache and the recurrent state (one step, and a prefill
 split over steps), greedy tokens through the engine with chunked prefill, default buckets
@@ -27,7 +28,9 @@ def family(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(family):
-    return LLM(str(family[2]), **ENGINE)
+    # ENGINE's KV budget is one attention layer's: Falcon-H1 attends in every layer.
+    layers = ModelConfig.from_hf(_hf(family[2])).num_kv_layers
+    return LLM(str(family[2]), **{**ENGINE, "kv_cache_memory": ENGINE["kv_cache_memory"] * layers})
 
 
 def _hf(folder) -> dict:
@@ -38,9 +41,21 @@ def test_config_reads_each_family(family):
     name, model, folder = family
     hf = _hf(folder)
     cfg = ModelConfig.from_hf(hf)
-    assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_groups,
-            cfg.ssm_chunk, cfg.linear_conv_kernel) == (8, 16, 16, 2, 8, 4)
+    assert (cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_groups, cfg.ssm_chunk,
+            cfg.linear_conv_kernel) == (16, 16, 2, 8, 4)
     assert cfg.ssm_conv_bias and not cfg.ssm_proj_bias and cfg.ssm_dt_limit == (0, np.inf)
+    if name == "falcon_h1":
+        assert cfg.mixers == ("hybrid",) * 3 and cfg.ssm_heads == 6
+        assert (cfg.num_kv_layers, cfg.num_linear_layers) == (3, 3) and cfg.use_rope
+        assert cfg.ssm_norm == "none" and cfg.embedding_multiplier == 2.0
+        assert dict(cfg.multipliers) == {
+            "ssm_z": 0.5, "ssm_x": 1.5, "ssm_b": 0.8, "ssm_c": 1.1, "ssm_dt": 0.7,
+            "ssm_in": 1.3, "ssm_out": 0.6, "attn_in": 1.2, "attn_out": 0.9, "key": 0.8,
+            "mlp_gate": 1.5, "mlp_down": 0.75, "lm_head": 0.5}
+        for norm, before, want in ((True, True, "norm_first"), (True, False, "gate_first")):
+            assert ModelConfig.from_hf({**hf, "mamba_rms_norm": norm,
+                                        "mamba_norm_before_gate": before}).ssm_norm == want
+        return
     if name.startswith("granite"):
         assert cfg.mixers == ("mamba2", "mamba2", "attention", "mamba2")
         assert (cfg.num_kv_layers, cfg.num_linear_layers) == (1, 3) and not cfg.blocks
@@ -81,13 +96,19 @@ def test_refusals(family):
     name, model, folder = family
     hf = _hf(folder)
     with pytest.raises(ConfigError, match="n_groups"):
-        ModelConfig.from_hf({**hf, "n_groups": 3, "mamba_n_groups": 3})
+        ModelConfig.from_hf({**hf, "n_groups": 5, "mamba_n_groups": 5})
     with pytest.raises(ConfigError, match="mamba_hidden_act"):
         ModelConfig.from_hf({**hf, "mamba_hidden_act": "gelu"})
     with pytest.raises(ValueError, match="speculative"):
         LLM(str(folder), **ENGINE, speculative_config={"method": "ngram",
                                                        "num_speculative_tokens": 2,
                                                        "prompt_lookup_max": 2})
+    if name == "falcon_h1":
+        with pytest.raises(ConfigError, match="mamba_d_head"):
+            ModelConfig.from_hf({**hf, "mamba_d_head": 12})
+        with pytest.raises(ConfigError, match="ssm_multipliers"):
+            ModelConfig.from_hf({**hf, "ssm_multipliers": [1.0] * 4})
+        return
     if name.startswith("granite"):
         with pytest.raises(ConfigError, match="mamba_d_head"):
             ModelConfig.from_hf({**hf, "mamba_d_head": 12})
@@ -114,6 +135,24 @@ def test_logits_match_transformers(family):
 
 
 @pytest.mark.jax_cache
+@pytest.mark.parametrize("before_gate", [True, False])
+def test_falcon_h1_gated_norms_match_transformers(tmp_path, before_gate):
+    """Falcon-H1 with its optional gated norm (mamba_rms_norm), normed before the gate or
+    after it, and out_proj's own bias."""
+    import torch
+    model = tiny_hf_model("falcon_h1", tmp_path, mamba_rms_norm=True,
+                          mamba_norm_before_gate=before_gate, projectors_bias=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("out_proj.bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.ssm_norm == ("norm_first" if before_gate else "gate_first") and cfg.ssm_out_bias
+    check_logits("falcon_h1 norm", model, tmp_path, cuts=(5,))
+
+
+@pytest.mark.jax_cache
 def test_latent_experts_match_transformers(tmp_path):
     """Nemotron-H's experts on a latent width (moe_latent_size): tokens projected in before
     the experts and their weighted sum projected out."""
@@ -136,9 +175,11 @@ def test_converted_checkpoint_loads_the_same(family, tmp_path, quantize):
     name, folder = family[0], family[2]
     direct = check_conversion(folder, tmp_path / "ckpt", quantize)
     is_q = lambda a: isinstance(a, QuantArray)
-    mixer = direct["layers"][0]["mamba"]
+    layers = direct["layers"]  # stacked where every layer is alike (Falcon-H1)
+    layer = lambda i: layers[i] if isinstance(layers, list) else layers
+    mixer = layer(0)["mamba"]
     assert is_q(mixer["in_proj"]["kernel"]) == (quantize == "int8")
-    mlp = direct["layers"][1]
+    mlp = layer(1)
     mlp = mlp["moe"]["shared_expert"] if "moe" in mlp else mlp["mlp"]
     assert is_q(mlp["up_proj"]["kernel"]) == (quantize == "int8")
     if name == "nemotron_h":  # the block of experts: ungated experts, the router float32
@@ -146,4 +187,4 @@ def test_converted_checkpoint_loads_the_same(family, tmp_path, quantize):
         assert "gate_proj" not in moe and is_q(moe["up_proj"]["kernel"]) == (quantize == "int8")
         assert not is_q(moe["router"]["kernel"]) and not is_q(moe["router_bias"])
     assert not any(is_q(mixer[k]) for k in ("conv_weight", "conv_bias", "dt_bias", "A_log", "D",
-                                             "norm_weight"))
+                                             "norm_weight") if k in mixer)

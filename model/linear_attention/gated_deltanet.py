@@ -30,6 +30,7 @@ from model.linear_attention.delta_rule import gated_delta_rule
 from model.linear_attention.short_conv import causal_conv
 from model.linear_attention.state import RecurrentState, read_rows, write_rows
 from model.linear_config import conv_channels
+from model.rounding import rounded
 from pallas_kernels import rms_norm_cpu
 
 L2_EPS = 1e-6
@@ -85,6 +86,7 @@ class GatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(b).astype(jnp.float32)  # in the model's dtype, as transformers
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        beta, g = rounded((beta, g))  # not fused into the rule's exp (model/rounding.py)
         core, ssm1 = gated_delta_rule(q, k, v, g, beta, ssm0, batch.query_start,
                                       batch.req_indices, batch.positions, chunked=CHUNKED)
         out = gated_norm(core.astype(dtype), z.reshape(T, hv, dv), norm_w, cfg.rms_norm_eps)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from model.rounding import rounded
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -31,9 +33,11 @@ def ssd_serial(x, dt, A, B, C, D, state, query_start, req_indices):
     def step(states, xs):
         x_t, dt_t, b_t, c_t, r, ok = xs
         b_t, c_t = (jnp.repeat(a, per_group, axis=0) for a in (b_t, c_t))  # [H, N]
-        s = states[r] * jnp.exp(dt_t * A)[:, None, None]
-        s = s + (dt_t[:, None] * x_t)[:, :, None] * b_t[:, None, :]
-        y = jnp.einsum("hpn,hn->hp", s, c_t, precision=_HI) + D[:, None] * x_t
+        # dt A rounded before its exp: XLA:CPU's exp of a fused product moves with the shape
+        decayed, update = rounded((states[r] * jnp.exp(rounded(dt_t * A))[:, None, None],
+                                   (dt_t[:, None] * x_t)[:, :, None] * b_t[:, None, :]))
+        s = decayed + update
+        y = sum(rounded((jnp.einsum("hpn,hn->hp", s, c_t, precision=_HI), D[:, None] * x_t)))
         states = states.at[r].set(jnp.where(ok, s, states[r]))
         return states, jnp.where(ok, y, jnp.zeros_like(y))
 
