@@ -175,7 +175,7 @@ def test_input_items_become_chat_messages():
     ([{"type": "image_generation_call", "id": "x"}], "unknown"),
     ([{"type": "item_reference", "id": "x"}], "unknown"),
     ([{"type": "function_call_output", "call_id": "nope", "output": "x"}], "no function_call"),
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input_image"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "text only"),
     ([{"role": "tool", "content": "x"}], "role"),
     ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}], "JSON"),
     ([], "non-empty"),
@@ -448,3 +448,25 @@ def test_store_false_and_get(shared_server):
 def test_bad_requests_are_clear_4xx(shared_server, body, status, param, code):
     got, answer = post(shared_server.port, "/v1/responses", body)
     assert_error(got, answer, status, param=param, code=code)
+
+
+def test_an_image_part_is_refused_over_http_for_a_text_model(shared_server):
+    """Chat's image_url and the Responses API's input_image: the served model takes text
+    only, said in OpenAI's error shape, and the server goes on serving."""
+    image = "data:image/png;base64,iVBORw0KGgo="
+    status, body = post(shared_server.port, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": image}}]}]})
+    assert_error(status, body, 400, param="messages", code="unsupported_parameter",
+                 type_="invalid_request_error")
+    assert "takes text only" in body["error"]["message"]
+    status, body = post(shared_server.port, "/v1/responses", {
+        "model": MODEL, "max_output_tokens": 2, "store": False, "input": [
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "what is this?"},
+                {"type": "input_image", "image_url": image, "detail": "auto"}]}]})
+    assert_error(status, body, 400, param="input", code="unsupported_parameter")
+    status, body = post(shared_server.port, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["choices"][0]["message"]["content"] is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from serving.openai.image_parts import IMAGE_PARTS, image_url, refuse_images
 from serving.openai.fields import ProtocolError, bad
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -19,10 +20,17 @@ def _content(message: dict, i: int) -> str:
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                if message["role"] != "user":
+                    raise ProtocolError(f"{where}: only user messages carry images",
+                                        param="messages")
+                image_url(part, where, "messages")
+                raise refuse_images(where, "messages")
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
-                raise ProtocolError(f"messages[{i}].content: only text parts "
+                raise ProtocolError(f"{where}: only text and image_url parts "
                                     "({'type': 'text', 'text': ...}) are supported",
                                     param="messages")
             texts.append(part["text"])

@@ -10,7 +10,8 @@ import math
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                   413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                   413: "invalid_request_error", 422: "invalid_request_error",
+                   429: "rate_limit_error", 500: "server_error",
                    503: "service_unavailable_error"}
 
 

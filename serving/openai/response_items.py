@@ -13,6 +13,7 @@ A stored response's output items go through the same conversion (`output_as_inpu
 """
 from __future__ import annotations
 
+from serving.openai.image_parts import image_url, refuse_images
 from serving.openai.fields import ProtocolError
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -31,6 +32,9 @@ def _text(value, where: str, parts: tuple[str, ...] = TEXT_PARTS) -> str:
     texts = []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and "input_text" in parts:
+            image_url(part, f"{where}[{j}]", "input")
+            raise refuse_images(f"{where}[{j}]", "input")
         if kind not in parts or not isinstance(part.get("text"), str):
             shown = kind if isinstance(kind, str) else type(part).__name__
             raise ProtocolError(f"{where}[{j}]: only {' / '.join(parts)} parts with a string "
