@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,10 +29,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from model.config import ModelConfig  # noqa: E402
-from model.kv_cache import KVCache  # noqa: E402
 from model.runtime_params import prepare_params  # noqa: E402
-from model.transformer import abstract_params, forward  # noqa: E402
-from scripts.bench_step import step_batch  # noqa: E402
+from model.transformer import abstract_params  # noqa: E402
+from scripts.bench_step import Stepper  # noqa: E402
 
 COMMON = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072,
               num_attention_heads=8, num_key_value_heads=2, head_dim=128,
@@ -55,50 +51,12 @@ MODELS = {
 }
 
 
-def hybrid_batch(T: int, R: int, P: int, page_size: int, num_pages: int, context: int, rng):
-    """bench_step's batch, with each row's state slot (row r in slot r + 1) and where its
-    tokens start."""
-    batch = step_batch(T, R, P, page_size, num_pages, context, rng)
-    counts = [1] * T + [0] * (R - T) if T <= R else [T] + [0] * (R - 1)
-    return replace(batch, state_slots=jax.numpy.arange(1, R + 1, dtype=np.int32),
-                   query_start=jax.numpy.asarray(np.cumsum([0] + counts), np.int32))
-
-
 def random_params(cfg: ModelConfig, scale: float = 0.02):
     """Small random weights drawn on the host (init_params compiles one program for the
     whole tree, minutes for a model whose layers differ)."""
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: (rng.standard_normal(s.shape, np.float32) * scale
                                    ).astype(s.dtype), abstract_params(cfg))
-
-
-class Stepper:
-    def __init__(self, cfg: ModelConfig, shapes, args):
-        self.cfg, self.args = cfg, args
-        self.params = prepare_params(random_params(cfg))
-        self.num_pages = 1 + max(R * P for _, R, P in shapes)
-        rows = max(R for _, R, _ in shapes)
-        self.cache = KVCache.zeros(cfg, self.num_pages, args.page_size,
-                                   state_slots=rows + 1 if cfg.num_linear_layers else 0)
-        self.step = jax.jit(partial(forward, cfg=cfg, backend=args.attention_backend),
-                            donate_argnums=(1,))
-        self.rng = np.random.default_rng(0)
-
-    def compile(self, shape):
-        T, R, P = shape
-        make = hybrid_batch if self.cfg.num_linear_layers else step_batch
-        batch = make(T, R, P, self.args.page_size, self.num_pages, self.args.context, self.rng)
-        started = time.perf_counter()
-        program = self.step.lower(self.params, self.cache, batch).compile()
-        compile_s = time.perf_counter() - started
-        self.run(program, batch)
-        return program, batch, compile_s
-
-    def run(self, program, batch) -> float:
-        started = time.perf_counter()
-        logits, self.cache = program(self.params, self.cache, batch)
-        logits.block_until_ready()
-        return time.perf_counter() - started
 
 
 def main() -> int:
@@ -110,6 +68,7 @@ def main() -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--attention-backend", default="cpu")
+    p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--models", default=",".join(MODELS),
                    help="comma-separated, of: " + ", ".join(MODELS))
     args = p.parse_args()
@@ -118,8 +77,9 @@ def main() -> int:
               if args.shapes else [(1, 1, pages), (16, 16, pages), (256, 1, 16),
                                    (1024, 1, 64)])
     names = args.models.split(",")
-    steppers = {name: Stepper(ModelConfig.from_hf(MODELS[name]), shapes, args)
-                for name in names}
+    steppers = {name: Stepper(cfg, prepare_params(random_params(cfg)), shapes,
+                              args.attention_backend, args)
+                for name, cfg in ((n, ModelConfig.from_hf(MODELS[n])) for n in names)}
     for name, s in steppers.items():
         cfg = s.cfg
         print(f"# {name}: {cfg.num_layers} layers, {cfg.num_kv_layers} with K/V pages, "

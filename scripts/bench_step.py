@@ -4,7 +4,8 @@ Each shape is TOKENSxROWSxPAGES (a step's token bucket, page-table rows and page
 When TOKENS <= ROWS the step is decode: one token for each of TOKENS requests at position
 --context. Otherwise it is one request's prefill chunk of TOKENS tokens from position 0. Prints
 the best and median of --repeats runs of the same compiled program, with the cache donated as
-the engine does. Sampling is not included.
+the engine does. Sampling is not included. A model with linear-attention layers gets a state
+slot for each row (scripts/bench_hybrid_step.py times such models).
 
     python scripts/bench_step.py                                   # the demo model, float32
     python scripts/bench_step.py --shapes 1x1x16,64x64x16 --attention-backend reference
@@ -114,21 +115,36 @@ def moe_like(cfg: ModelConfig, experts: int, top_k: int) -> ModelConfig:
                    // top_k, norm_topk_prob=True, moe_layers=(True,) * cfg.num_layers)
 
 
+def hybrid_batch(T: int, R: int, P: int, page_size: int, num_pages: int, context: int, rng):
+    """step_batch's batch, with each row's state slot (row r in slot r + 1) and where its
+    tokens start."""
+    batch = step_batch(T, R, P, page_size, num_pages, context, rng)
+    counts = [1] * T + [0] * (R - T) if T <= R else [T] + [0] * (R - 1)
+    return replace(batch, state_slots=jax.numpy.arange(1, R + 1, dtype=np.int32),
+                   query_start=jax.numpy.asarray(np.cumsum([0] + counts), np.int32))
+
+
 class Stepper:
     """One model's compiled steps over its own paged cache (donated, as the engine does)."""
 
     def __init__(self, cfg, params, shapes, backend: str, args):
         self.params, self.args = params, args
         self.num_pages = 1 + max(R * P for _, R, P in shapes)
-        self.cache = KVCache.zeros(cfg, self.num_pages, args.page_size, args.kv_cache_dtype)
+        self.cfg = cfg
+        slots = 1 + max(R for _, R, _ in shapes) if cfg.num_linear_layers else 0
+        self.cache = KVCache.zeros(cfg, self.num_pages, args.page_size, args.kv_cache_dtype,
+                                   state_slots=slots)
         self.step = jax.jit(partial(forward, cfg=cfg, backend=backend), donate_argnums=(1,))
         self.rng = np.random.default_rng(0)
 
+    def batch(self, shape):
+        T, R, P = shape
+        make = hybrid_batch if self.cfg.num_linear_layers else step_batch
+        return make(T, R, P, self.args.page_size, self.num_pages, self.args.context, self.rng)
+
     def compile(self, shape):
         """-> (program, batch, compile seconds), the program run once."""
-        T, R, P = shape
-        batch = step_batch(T, R, P, self.args.page_size, self.num_pages, self.args.context,
-                           self.rng)
+        batch = self.batch(shape)
         started = time.perf_counter()
         program = self.step.lower(self.params, self.cache, batch).compile()
         compile_s = time.perf_counter() - started
